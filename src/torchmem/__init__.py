@@ -1,0 +1,63 @@
+"""torchmem: PyTorch memory, answered in one call."""
+
+from importlib.metadata import PackageNotFoundError, version
+
+try:
+    __version__ = version("torchmem")
+except PackageNotFoundError:  # running from a source tree that was never installed
+    __version__ = "0+unknown"
+
+from torchmem.devices import (
+    GPUMemory,
+    gpu_mem_allocate_mbs,
+    gpu_mem_get,
+    gpu_mem_get_all,
+    gpu_mem_get_free,
+    gpu_mem_get_free_mbs,
+    gpu_mem_get_free_no_cache,
+    gpu_mem_get_free_no_cache_mbs,
+    gpu_mem_get_total_mbs,
+    gpu_mem_get_used,
+    gpu_mem_get_used_fast,
+    gpu_mem_get_used_mbs,
+    gpu_mem_get_used_no_cache,
+    gpu_mem_get_used_no_cache_mbs,
+    gpu_mem_leave_free_mbs,
+    gpu_with_max_free_mem,
+    nvml_handle,
+    preload_pytorch,
+)
+from torchmem.errors import TorchmemError
+from torchmem.meters import Meter, TensorMeter, Window, device_meter, meter
+from torchmem.units import b2mb, parse_size, readable_size
+
+__all__ = [
+    "GPUMemory",
+    "Meter",
+    "TensorMeter",
+    "TorchmemError",
+    "Window",
+    "__version__",
+    "b2mb",
+    "device_meter",
+    "gpu_mem_allocate_mbs",
+    "gpu_mem_get",
+    "gpu_mem_get_all",
+    "gpu_mem_get_free",
+    "gpu_mem_get_free_mbs",
+    "gpu_mem_get_free_no_cache",
+    "gpu_mem_get_free_no_cache_mbs",
+    "gpu_mem_get_total_mbs",
+    "gpu_mem_get_used",
+    "gpu_mem_get_used_fast",
+    "gpu_mem_get_used_mbs",
+    "gpu_mem_get_used_no_cache",
+    "gpu_mem_get_used_no_cache_mbs",
+    "gpu_mem_leave_free_mbs",
+    "gpu_with_max_free_mem",
+    "meter",
+    "nvml_handle",
+    "parse_size",
+    "preload_pytorch",
+    "readable_size",
+]

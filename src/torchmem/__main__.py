@@ -1,0 +1,3 @@
+from torchmem.cli import run
+
+run()

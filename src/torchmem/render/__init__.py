@@ -1,0 +1,1 @@
+"""Renderers: records in, text (or HTML, figures) out. They never measure."""

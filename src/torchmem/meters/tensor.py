@@ -162,9 +162,9 @@ class _WatchMode(TorchDispatchMode):
         # A storage that an operator grew in place (resize_, out= into a small tensor).
         for tensor, storage, nbytes in before:
             grown = tensor.untyped_storage()
-            if grown._cdata == storage._cdata and grown.nbytes() > nbytes:
-                if tensor.device == meter._device:
-                    meter._count(grown, grown.nbytes() - nbytes)
+            same = grown._cdata == storage._cdata and tensor.device == meter._device
+            if same and grown.nbytes() > nbytes:
+                meter._count(grown, grown.nbytes() - nbytes)
         returns = (out,) if len(fresh) == 1 else out if fresh else ()
         for is_fresh, value in zip(fresh, returns, strict=False):
             for tensor in _tensors(value):

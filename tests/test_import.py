@@ -1,0 +1,35 @@
+"""Importing torchmem starts nothing: no CUDA, no NVML, no IPython, no thread."""
+
+import subprocess
+import sys
+
+import torchmem
+
+CHECK = """
+import sys, threading
+import torch
+before = threading.active_count()
+import torchmem
+assert "IPython" not in sys.modules, "IPython imported"
+from torchmem.meters import nvml
+assert nvml.nvml.cache_info().currsize == 0, "NVML loaded"
+# torch itself may import pynvml; neither may load the NVML library at import.
+assert getattr(sys.modules.get("pynvml"), "_nvmlLib", None) is None, "NVML initialised"
+assert not torch.cuda.is_initialized(), "CUDA initialised"
+assert threading.active_count() == before, "thread started"
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+assert _get_current_dispatch_mode_stack() == [], "dispatch mode left on"
+print("clean")
+"""
+
+
+def test_import_starts_nothing():
+    result = subprocess.run([sys.executable, "-c", CHECK], capture_output=True, text=True)
+    assert result.stdout == "clean\n", result.stderr
+
+
+def test_public_names_are_exported():
+    for name in torchmem.__all__:
+        assert getattr(torchmem, name) is not None
+    assert torchmem.gpu_mem_get_free_mbs is torchmem.gpu_mem_get_free
+    assert torchmem.GPUMemory._fields == ("total", "free", "used")

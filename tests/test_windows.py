@@ -1,0 +1,89 @@
+"""Peak windows and meter selection, on the deterministic CPU tensor meter."""
+
+import pytest
+import torch
+
+import torchmem
+from torchmem import TensorMeter, TorchmemError, meter
+from torchmem.meters import RamMeter
+
+MiB = 2**20
+
+
+def test_default_meter_without_a_gpu_is_the_cpu_tensor_meter():
+    assert isinstance(meter(), TensorMeter)
+    assert meter() is meter("cpu") is meter(torch.device("cpu"))
+    assert meter().device == "cpu"
+    assert meter().exact
+
+
+def test_meter_by_device_string():
+    assert meter("meta").device == "meta"
+    assert isinstance(meter("ram"), RamMeter)
+    assert meter("ram").device == "ram"
+
+
+@pytest.mark.parametrize(
+    ("bad", "shown"),
+    [
+        ("cuda", "'cuda'"),
+        ("cuda:1", "'cuda:1'"),
+        (1, "1"),
+        ("gpu", "'gpu'"),
+        ("", "''"),
+        (-1, "-1"),
+        (1.0, "1.0"),
+        ([0], "[0]"),
+        ("mps", "'mps'"),
+        ("hpu", "'hpu'"),
+    ],
+)
+def test_bad_or_missing_devices_raise_naming_the_value(bad, shown):
+    with pytest.raises(ValueError) as info:
+        meter(bad)
+    assert shown in str(info.value)
+
+
+def test_a_window_is_a_context_manager_and_closes_once():
+    m = TensorMeter()
+    window = m.window()
+    assert not window.closed
+    with window as same:
+        assert same is window
+    assert window.closed
+    window.close()  # harmless twice
+    assert "closed" in repr(window)
+
+
+def test_a_closed_window_keeps_its_peak_and_cannot_restart():
+    m = TensorMeter()
+    with m.window() as w:
+        a = torch.empty(MiB, dtype=torch.uint8)
+    b = torch.empty(MiB, dtype=torch.uint8)
+    assert w.peak() == MiB
+    with pytest.raises(TorchmemError, match="closed"):
+        w.restart()
+    del a, b
+
+
+def test_unknown_stat_is_named():
+    with TensorMeter().window() as w, pytest.raises(ValueError, match="'nope'"):
+        w.peak("nope")
+    assert w.peak("allocated_bytes.all") == w.peak() == 0
+
+
+def test_many_windows_open_at_once_are_each_exact():
+    m = TensorMeter()
+    windows, kept = [], []
+    for i in range(5):
+        windows.append(m.window())
+        kept.append(torch.empty(MiB, dtype=torch.uint8))
+        temp = torch.empty((i + 1) * MiB, dtype=torch.uint8)
+        del temp
+    # Window i opened with i MiB kept; the highest use after that was the last step's
+    # 5 MiB kept plus its 5 MiB temporary.
+    assert [w.start for w in windows] == [i * MiB for i in range(5)]
+    assert [w.peak() for w in windows] == [10 * MiB] * 5
+    for w in reversed(windows):
+        w.close()
+    assert torchmem.meters.tensor._get_current_dispatch_mode_stack() == []

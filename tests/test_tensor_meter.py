@@ -258,6 +258,9 @@ def test_a_window_closed_from_another_thread_stops_counting(m):
     a = torch.empty(MiB, dtype=torch.uint8)
     assert m.used() == 0
     del a
+    with m.window():  # the owner thread takes the inactive mode off its stack
+        assert len(_get_current_dispatch_mode_stack()) == 1
+    assert _get_current_dispatch_mode_stack() == []
 
 
 def test_index_less_cuda_without_cuda_is_device_zero():

@@ -87,3 +87,13 @@ def test_many_windows_open_at_once_are_each_exact():
     for w in reversed(windows):
         w.close()
     assert torchmem.meters.tensor._get_current_dispatch_mode_stack() == []
+
+
+@pytest.mark.parametrize(
+    ("bad", "shown"),
+    [(None, "None"), (0, "0"), (-1, "-1"), ("x", "'x'"), ("cpu", "'cpu'"), (1.5, "1.5")],
+)
+def test_device_meter_without_a_gpu_or_with_a_bad_index_names_it(bad, shown):
+    with pytest.raises(ValueError) as info:
+        torchmem.device_meter(bad)
+    assert shown in str(info.value)

@@ -62,7 +62,10 @@ def device_meter(index: int | None = None) -> DeviceMeter:
     Raises:
         ValueError: naming the index, if there is no such CUDA device.
     """
-    parsed = torch.device("cuda", _index(torch.device("cuda", index), index))
+    parsed = torch.device("cuda") if index is None else parse_device(index)
+    if parsed.type != "cuda":
+        raise ValueError(f"invalid GPU {index!r}: expected a CUDA device index")
+    parsed = torch.device("cuda", _index(parsed, index))
     key = f"device:{parsed.index}"
     if key not in _meters:
         _meters[key] = DeviceMeter(parsed.index)

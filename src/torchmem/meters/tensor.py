@@ -71,6 +71,7 @@ class TensorMeter(Meter):
         self._refs: dict[int, weakref.ref] = {}
         self._modes: dict[int, _WatchMode] = {}
         self._owners: dict[int, int] = {}
+        self._stale: dict[int, list[_WatchMode]] = {}
 
     def used(self) -> int:
         return self._used
@@ -86,6 +87,8 @@ class TensorMeter(Meter):
     def _on_open(self, window: Window) -> None:
         thread = threading.get_ident()
         self._owners[id(window)] = thread
+        for stale in self._stale.pop(thread, ()):
+            _remove(stale)
         mode = self._modes.get(thread)
         if mode is None:
             mode = self._modes[thread] = _WatchMode(self)
@@ -101,9 +104,12 @@ class TensorMeter(Meter):
                 return
             del self._modes[thread]
             mode.active = False
-        if thread == threading.get_ident():
-            _remove(mode)
-        # On another thread, the mode stays on its owner's stack, inactive.
+            if thread != threading.get_ident():
+                # Only its own thread can take it off its stack: it stays there, inactive,
+                # until that thread next opens a window here.
+                self._stale.setdefault(thread, []).append(mode)
+                return
+        _remove(mode)
 
     # Counting ----------------------------------------------------------------------
 

@@ -7,6 +7,6 @@ PYTHON="${PYTHON:-python3}"
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 "$PYTHON" -m pip install --quiet "torch==2.13.0"
 "$PYTHON" -m pip install --quiet -e ".[dev]"
-"$PYTHON" -m ruff check src tests
-"$PYTHON" -m ruff format --check src tests
+"$PYTHON" -m ruff check src tests benchmarks
+"$PYTHON" -m ruff format --check src tests benchmarks
 "$PYTHON" -m pytest "$@"

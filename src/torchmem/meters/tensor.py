@@ -114,10 +114,10 @@ class TensorMeter(Meter):
     # Counting ----------------------------------------------------------------------
 
     def _add(self, nbytes: int) -> None:
-        with self._lock:
-            used = self._used = self._used + nbytes
-            if used > self._peak:
-                self._peak = used
+        """Count `nbytes` more in use (fewer, if negative). Caller holds the lock."""
+        used = self._used = self._used + nbytes
+        if used > self._peak:
+            self._peak = used
 
     def _count(self, storage: torch.UntypedStorage, nbytes: int) -> None:
         """Count `nbytes` more on `storage`, and take them off when it dies."""
@@ -133,14 +133,17 @@ class TensorMeter(Meter):
     def _freed(self, key: int, _ref: weakref.ref) -> None:
         with self._lock:
             self._refs.pop(key, None)
-            nbytes = self._sizes.pop(key, 0)
-            self._add(-nbytes)
+            self._add(-self._sizes.pop(key, 0))
 
     def _created(self, tensor: torch.Tensor, owned_only: bool = False) -> None:
         """An operator returned `tensor` in a storage of its own: count it if new here."""
         if tensor.device != self._device:
             return
-        for storage in _storages(tensor):
+        if tensor.layout is torch.strided and not owned_only:
+            storages: Iterator[torch.UntypedStorage] | tuple = (tensor.untyped_storage(),)
+        else:
+            storages = _storages(tensor)
+        for storage in storages:
             if storage._cdata in self._sizes or (owned_only and not storage.resizable()):
                 continue
             nbytes = storage.nbytes()

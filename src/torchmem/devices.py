@@ -10,6 +10,7 @@ nothing fails without a GPU: the queries answer zeros, ``[]`` or ``(None, 0)``.
 from __future__ import annotations
 
 import gc
+import operator
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -257,9 +258,13 @@ def _valid_index(id: object) -> int | None:
         return None
     if id is None:
         return torch.cuda.current_device()
-    if isinstance(id, bool) or not isinstance(id, int) or not 0 <= id < _gpu_count():
+    if isinstance(id, bool):
         return None
-    return id
+    try:
+        index = operator.index(id)  # ints, and numpy ints as older code passes them
+    except TypeError:
+        return None
+    return index if 0 <= index < _gpu_count() else None
 
 
 def _device_bytes(id: object) -> tuple[int, int, int] | None:

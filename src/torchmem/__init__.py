@@ -29,10 +29,13 @@ from torchmem.devices import (
 )
 from torchmem.errors import TorchmemError
 from torchmem.meters import Meter, TensorMeter, Window, device_meter, meter
+from torchmem.trace import GPUMemTrace, MemTrace, gpu_mem_trace, mem_trace
 from torchmem.units import b2mb, parse_size, readable_size
 
 __all__ = [
+    "GPUMemTrace",
     "GPUMemory",
+    "MemTrace",
     "Meter",
     "TensorMeter",
     "TorchmemError",
@@ -54,7 +57,9 @@ __all__ = [
     "gpu_mem_get_used_no_cache",
     "gpu_mem_get_used_no_cache_mbs",
     "gpu_mem_leave_free_mbs",
+    "gpu_mem_trace",
     "gpu_with_max_free_mem",
+    "mem_trace",
     "meter",
     "nvml_handle",
     "parse_size",

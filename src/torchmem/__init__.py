@@ -29,6 +29,7 @@ from torchmem.devices import (
 )
 from torchmem.errors import TorchmemError
 from torchmem.meters import Meter, TensorMeter, Window, device_meter, meter
+from torchmem.restore import get_ref_free_exc_info, gpu_mem_restore, gpu_mem_restore_ctx
 from torchmem.trace import GPUMemTrace, MemTrace, gpu_mem_trace, mem_trace
 from torchmem.units import b2mb, parse_size, readable_size
 
@@ -43,6 +44,7 @@ __all__ = [
     "__version__",
     "b2mb",
     "device_meter",
+    "get_ref_free_exc_info",
     "gpu_mem_allocate_mbs",
     "gpu_mem_get",
     "gpu_mem_get_all",
@@ -57,6 +59,8 @@ __all__ = [
     "gpu_mem_get_used_no_cache",
     "gpu_mem_get_used_no_cache_mbs",
     "gpu_mem_leave_free_mbs",
+    "gpu_mem_restore",
+    "gpu_mem_restore_ctx",
     "gpu_mem_trace",
     "gpu_with_max_free_mem",
     "mem_trace",

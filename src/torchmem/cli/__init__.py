@@ -8,7 +8,6 @@ from collections.abc import Sequence
 
 from torchmem import __version__
 from torchmem.cli import devices
-from torchmem.errors import CliError
 
 _COMMANDS = {"devices": devices}
 
@@ -27,9 +26,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _COMMANDS[args.command].run(args)
     except SystemExit as exc:  # argparse: --help, --version, usage errors
         return exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 2
-    except CliError as exc:
-        print(f"torchmem: error: {exc}", file=sys.stderr)
-        return exc.code
 
 
 def run() -> None:

@@ -28,14 +28,31 @@ from torchmem.devices import (
     preload_pytorch,
 )
 from torchmem.errors import TorchmemError
+from torchmem.lines import (
+    DEFAULT_COLUMNS,
+    FunctionRecord,
+    LineProfiler,
+    LineRecord,
+    LineReport,
+    clear_global_line_profiler,
+    profile,
+    profile_every,
+    set_target_gpu,
+    valid_columns,
+)
 from torchmem.meters import Meter, TensorMeter, Window, device_meter, meter
 from torchmem.restore import get_ref_free_exc_info, gpu_mem_restore, gpu_mem_restore_ctx
 from torchmem.trace import GPUMemTrace, MemTrace, gpu_mem_trace, mem_trace
 from torchmem.units import b2mb, parse_size, readable_size
 
 __all__ = [
+    "DEFAULT_COLUMNS",
+    "FunctionRecord",
     "GPUMemTrace",
     "GPUMemory",
+    "LineProfiler",
+    "LineRecord",
+    "LineReport",
     "MemTrace",
     "Meter",
     "TensorMeter",
@@ -43,6 +60,7 @@ __all__ = [
     "Window",
     "__version__",
     "b2mb",
+    "clear_global_line_profiler",
     "device_meter",
     "get_ref_free_exc_info",
     "gpu_mem_allocate_mbs",
@@ -68,5 +86,9 @@ __all__ = [
     "nvml_handle",
     "parse_size",
     "preload_pytorch",
+    "profile",
+    "profile_every",
     "readable_size",
+    "set_target_gpu",
+    "valid_columns",
 ]

@@ -6,6 +6,9 @@ import torch
 
 from torchmem.meters.base import Meter
 
+_COUNTERS = ("current", "allocated", "freed")
+_SUFFIXES = tuple(f".{part}" for part in _COUNTERS)
+
 
 class AllocatorMeter(Meter):
     """Bytes held by PyTorch's caching allocator on one device, this process only.
@@ -36,6 +39,12 @@ class AllocatorMeter(Meter):
     def reserved(self) -> int:
         """Bytes the caching allocator holds on this device (in tensors or cached)."""
         return self._backend.memory_reserved(self._index)
+
+    def counters(self) -> dict[str, int]:
+        stats = self._backend.memory_stats(self._index)
+        if not stats:  # the allocator has not been used yet
+            return {f"{stat}.{part}": 0 for stat in self.stats for part in _COUNTERS}
+        return {key: value for key, value in stats.items() if key.endswith(_SUFFIXES)}
 
     def _peaks(self) -> dict[str, int]:
         peaks = {

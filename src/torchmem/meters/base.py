@@ -95,6 +95,22 @@ class Meter:
             self._windows.remove(window)
         self._on_close(window)
 
+    def counters(self) -> dict[str, int]:
+        """This pool's current values (``"<stat>.current"``) and, where the pool keeps them,
+        running totals since the meter was made (``"<stat>.allocated"``, ``"<stat>.freed"``),
+        keyed the way ``torch.cuda.memory_stats()`` names them; bytes, or counts for stats
+        whose name has no ``bytes``. The difference of two readings is what happened in
+        between."""
+        return {f"{self.stats[0]}.current": self.used()}
+
+    def _lap(self, window: Window) -> dict[str, int]:
+        with self._lock:
+            self._fold()
+            peaks = window._folded
+            self._reset_peaks()
+            window._begin(self.used())
+        return peaks
+
     def _window_peaks(self, window: Window) -> dict[str, int]:
         with self._lock:
             if window._final is not None:
@@ -164,6 +180,16 @@ class Window:
         if self.closed:
             raise TorchmemError(f"cannot restart a closed window on {self.meter!r}")
         self.meter._restart(self)
+
+    def lap(self) -> dict[str, int]:
+        """Restart, and return the peak of every stat over the period that just ended.
+
+        The same as reading :meth:`peak` for each of the meter's stats and then calling
+        :meth:`restart`, in one step: nothing that happens in between is lost.
+        """
+        if self.closed:
+            raise TorchmemError(f"cannot restart a closed window on {self.meter!r}")
+        return self.meter._lap(self)
 
     def close(self) -> None:
         """Stop watching and freeze :meth:`peak`. Closing twice is harmless."""

@@ -67,6 +67,8 @@ class TensorMeter(Meter):
         self.device = str(self._device)
         self._used = 0
         self._peak = 0
+        self._allocated_total = 0
+        self._freed_total = 0
         self._sizes: dict[int, int] = {}
         self._refs: dict[int, weakref.ref] = {}
         self._modes: dict[int, _WatchMode] = {}
@@ -75,6 +77,13 @@ class TensorMeter(Meter):
 
     def used(self) -> int:
         return self._used
+
+    def counters(self) -> dict[str, int]:
+        return {
+            "allocated_bytes.all.current": self._used,
+            "allocated_bytes.all.allocated": self._allocated_total,
+            "allocated_bytes.all.freed": self._freed_total,
+        }
 
     def _peaks(self) -> dict[str, int]:
         return {"allocated_bytes.all": self._peak}
@@ -116,8 +125,12 @@ class TensorMeter(Meter):
     def _add(self, nbytes: int) -> None:
         """Count `nbytes` more in use (fewer, if negative). Caller holds the lock."""
         used = self._used = self._used + nbytes
-        if used > self._peak:
-            self._peak = used
+        if nbytes > 0:
+            self._allocated_total += nbytes
+            if used > self._peak:
+                self._peak = used
+        else:
+            self._freed_total -= nbytes
 
     def _count(self, storage: torch.UntypedStorage, nbytes: int) -> None:
         """Count `nbytes` more on `storage`, and take them off when it dies."""

@@ -250,3 +250,31 @@ def test_cli_devices_json_has_gpu_0(capsys: pytest.CaptureFixture[str]) -> None:
     assert gpu["reserved"] == torch.cuda.memory_reserved(0)
     assert gpu["used"] + gpu["free"] <= gpu["total"]
     del kept
+
+
+# The line profiler on the real allocator -----------------------------------------------
+
+
+def gpu_lines():
+    a = torch.zeros(1024, 1024, device="cuda")
+    b = (torch.zeros(2048, 1024, device="cuda") + 1).sum()
+    return a, b
+
+
+def test_line_profiler_on_a_real_gpu_is_exact():
+    clean()
+    base = torch.cuda.memory_allocated()
+    with torchmem.LineProfiler(gpu_lines) as prof:
+        gpu_lines()
+    assert prof.meter.device == f"cuda:{torch.cuda.current_device()}"
+    (record,) = prof.records()
+    first, second = (line.stats for line in record.lines[1:3])
+    assert first["active_bytes.all.peak"] == base + 4 * MiB
+    assert first["allocated_bytes.all.delta"] == 4 * MiB
+    assert second["allocated_bytes.all.peak"] == base + 4 * MiB + 16 * MiB
+    assert second["allocated_bytes.all.delta"] == 512  # the sum, in one 512-byte block
+    assert second["allocation.all.allocated"] == 3
+    assert second["reserved_bytes.all.peak"] >= second["allocated_bytes.all.peak"]
+    text = str(prof.display())
+    assert "active_bytes reserved_bytes hits line code" in text
+    assert 'b = (torch.zeros(2048, 1024, device="cuda") + 1).sum()' in text

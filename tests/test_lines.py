@@ -434,8 +434,7 @@ def test_a_function_without_source_lists_the_lines_that_ran():
 
 
 def test_a_function_defined_in_an_ipython_cell():
-    from IPython.core.interactiveshell import InteractiveShell
-
+    InteractiveShell = pytest.importorskip("IPython.core.interactiveshell").InteractiveShell
     shell = InteractiveShell.instance()
     try:
         shell.run_cell("import torch\nfrom torchmem import LineProfiler", store_history=True)

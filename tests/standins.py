@@ -312,6 +312,7 @@ class CudaStandIn:
         "memory_reserved",
         "max_memory_allocated",
         "memory_stats",
+        "memory_stats_as_nested_dict",
         "reset_peak_memory_stats",
         "mem_get_info",
         "empty_cache",
@@ -434,6 +435,19 @@ class CudaStandIn:
         self.calls.append(("memory_stats", index))
         # As in torch: empty until CUDA is initialised in this process.
         return self._gpu(index).allocator.stats() if self.initialized else {}
+
+    def memory_stats_as_nested_dict(self, device: Any = None) -> dict[str, Any]:
+        index = self._index(device)
+        self.calls.append(("memory_stats_as_nested_dict", index))
+        flat = self._gpu(index).allocator.stats() if self.initialized else {}
+        nested: dict[str, Any] = {}
+        for key, value in flat.items():
+            *path, last = key.split(".")
+            level = nested
+            for part in path:
+                level = level.setdefault(part, {})
+            level[last] = value
+        return nested
 
     def memory_allocated(self, device: Any = None) -> int:
         index = self._index(device)

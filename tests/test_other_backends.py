@@ -38,9 +38,8 @@ class XpuStandIn:
             "init": lambda: None,
             "memory_allocated": lambda device: self.allocated,
             "memory_reserved": lambda device: self.peak,
-            "memory_stats": lambda device: {
-                "allocated_bytes.all.current": self.allocated,
-                "allocated_bytes.all.peak": self.peak,
+            "memory_stats_as_nested_dict": lambda device: {
+                "allocated_bytes": {"all": {"current": self.allocated, "peak": self.peak}},
             },
             "reset_peak_memory_stats": self.reset,
         }

@@ -435,7 +435,7 @@ class LineProfiler:
             state.window = state.meter.window()
             state.start = state.meter.counters()
         else:
-            self._charge(state, state.window.lap())
+            self._charge(state, *state.meter._lap(state.window))
         state.line = lineno
 
     def _end(self, state: _Frame) -> None:
@@ -444,14 +444,14 @@ class LineProfiler:
         if window is None:
             return
         state.window = None
-        peaks = window.lap()
-        window.close()
-        self._charge(state, peaks)
-
-    def _charge(self, state: _Frame, peaks: dict[str, int]) -> None:
-        """Charge what happened since the line started to that line."""
         assert state.meter is not None
-        end = state.meter.counters()
+        peaks, end = state.meter._lap(window)
+        window.close()
+        self._charge(state, peaks, end)
+
+    def _charge(self, state: _Frame, peaks: dict[str, int], end: dict[str, int]) -> None:
+        """Charge what happened since the line started (`peaks`, and `end` against the
+        counters at its start) to that line."""
         with self._lock:
             line = state.function.lines.get(state.line)
             if line is None:

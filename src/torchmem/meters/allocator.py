@@ -7,7 +7,6 @@ import torch
 from torchmem.meters.base import Meter
 
 _COUNTERS = ("current", "allocated", "freed")
-_SUFFIXES = tuple(f".{part}" for part in _COUNTERS)
 
 
 class AllocatorMeter(Meter):
@@ -41,19 +40,28 @@ class AllocatorMeter(Meter):
         return self._backend.memory_reserved(self._index)
 
     def counters(self) -> dict[str, int]:
-        stats = self._backend.memory_stats(self._index)
-        if not stats:  # the allocator has not been used yet
-            return {f"{stat}.{part}": 0 for stat in self.stats for part in _COUNTERS}
-        return {key: value for key, value in stats.items() if key.endswith(_SUFFIXES)}
+        return self._flat(_COUNTERS) or {f"{s}.{p}": 0 for s in self.stats for p in _COUNTERS}
 
     def _peaks(self) -> dict[str, int]:
-        peaks = {
-            key[: -len(".peak")]: value
-            for key, value in self._backend.memory_stats(self._index).items()
-            if key.endswith(".peak")
-        }
-        # Before the allocator's first use memory_stats() is empty.
-        return peaks or dict.fromkeys(self.stats, 0)
+        # Before the allocator's first use there are no stats.
+        return self._flat(("peak",), suffix=False) or dict.fromkeys(self.stats, 0)
+
+    def _flat(self, parts: tuple[str, ...], suffix: bool = True) -> dict[str, int]:
+        """``memory_stats()``'s `parts` of every stat, keyed ``stat.pool[.part]``.
+
+        Read through ``memory_stats_as_nested_dict``, which skips the flattening that
+        makes ``memory_stats()`` cost ~135 µs: the line profiler reads twice per line.
+        """
+        flat = {}
+        for stat, pools in self._backend.memory_stats_as_nested_dict(self._index).items():
+            if isinstance(pools, dict):
+                for pool, values in pools.items():
+                    if isinstance(values, dict):
+                        for part in parts:
+                            if part in values:
+                                key = f"{stat}.{pool}.{part}" if suffix else f"{stat}.{pool}"
+                                flat[key] = values[part]
+        return flat
 
     def _reset_peaks(self) -> None:
         self._backend.reset_peak_memory_stats(self._index)

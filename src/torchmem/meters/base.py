@@ -103,13 +103,15 @@ class Meter:
         between."""
         return {f"{self.stats[0]}.current": self.used()}
 
-    def _lap(self, window: Window) -> dict[str, int]:
+    def _lap(self, window: Window) -> tuple[dict[str, int], dict[str, int]]:
+        """Restart `window`; return its peaks until now and :meth:`counters` at the restart."""
         with self._lock:
             self._fold()
             peaks = window._folded
             self._reset_peaks()
-            window._begin(self.used())
-        return peaks
+            counters = self.counters()
+            window._begin(counters[f"{self.stats[0]}.current"])
+        return peaks, counters
 
     def _window_peaks(self, window: Window) -> dict[str, int]:
         with self._lock:
@@ -189,7 +191,7 @@ class Window:
         """
         if self.closed:
             raise TorchmemError(f"cannot restart a closed window on {self.meter!r}")
-        return self.meter._lap(self)
+        return self.meter._lap(self)[0]
 
     def close(self) -> None:
         """Stop watching and freeze :meth:`peak`. Closing twice is harmless."""

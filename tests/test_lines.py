@@ -383,6 +383,59 @@ def test_another_tracer_keeps_every_event_and_is_restored():
     assert stats(prof, allocate, 2)[1][PEAK] == 20 * MiB
 
 
+def test_unwatched_frames_are_not_traced():
+    seen = []
+
+    def probe():
+        seen.append(sys._getframe().f_trace)
+
+    def watched():
+        probe()
+
+    with LineProfiler(watched, device="cpu") as prof:
+        watched()
+    assert seen == [None]
+    assert prof.records(watched)[0].ran
+
+
+needs_monitoring = pytest.mark.skipif(
+    sys.version_info < (3, 12), reason="sys.monitoring is new in Python 3.12"
+)
+
+
+def torchmem_tools():
+    return [t for t in range(6) if sys.monitoring.get_tool(t) == "torchmem"]
+
+
+@needs_monitoring
+def test_from_python_3_12_events_come_from_sys_monitoring():
+    before = sys.gettrace()
+    with LineProfiler(allocate, device="cpu") as prof:
+        assert sys.gettrace() is before
+        assert len(torchmem_tools()) == 1
+        thread = threading.Thread(target=allocate)  # every thread, started when it may
+        thread.start()
+        thread.join()
+    assert torchmem_tools() == []
+    assert stats(prof, allocate, 2)[1][PEAK] == 20 * MiB
+    assert stats(prof, allocate, 2)[0] == 1
+
+
+@needs_monitoring
+def test_without_a_free_monitoring_tool_id_settrace_is_used():
+    taken = [t for t in (3, 4) if sys.monitoring.get_tool(t) is None]
+    for tool in taken:
+        sys.monitoring.use_tool_id(tool, "someone else")
+    try:
+        with LineProfiler(allocate, device="cpu") as prof:
+            assert isinstance(sys.gettrace(), torchmem.lines._Hook)
+            allocate()
+    finally:
+        for tool in taken:
+            sys.monitoring.free_tool_id(tool)
+    assert stats(prof, allocate, 2)[1][PEAK] == 20 * MiB
+
+
 def test_leaving_one_profiler_leaves_another_on():
     first = LineProfiler(allocate, device="cpu")
     second = LineProfiler(temporary, device="cpu")

@@ -245,12 +245,25 @@ class _Frame:
     was installed before ours, if it traces this frame too.
     """
 
-    __slots__ = ("chained", "function", "line", "meter", "profiler", "start", "thread", "window")
+    __slots__ = (
+        "chained",
+        "function",
+        "key",
+        "line",
+        "meter",
+        "profiler",
+        "start",
+        "thread",
+        "window",
+    )
 
-    def __init__(self, profiler: LineProfiler, function: _Function, chained: Any) -> None:
+    def __init__(
+        self, profiler: LineProfiler, function: _Function, chained: Any, key: object = None
+    ) -> None:
         self.profiler = profiler
         self.function = function
         self.chained = chained
+        self.key = self if key is None else key
         self.thread = threading.get_ident()
         self.meter: Meter | None = None
         self.window: Window | None = None
@@ -285,9 +298,120 @@ class _Hook:
             function = profiler._functions.get(id(frame.f_code))
             if function is not None:
                 state = _Frame(profiler, function, local)
-                profiler._running.add(state)
+                profiler._running[state] = state
                 return state
         return local
+
+
+class _Monitor:
+    """Python 3.12+: ``sys.monitoring`` events from the watched code objects alone, in
+    every thread, through one tool id shared by all enabled profilers. Unwatched code
+    runs untouched, and ``sys.settrace`` tracers are not involved at all."""
+
+    def __init__(self, tool: int) -> None:
+        self.tool = tool
+        self.profilers: list[LineProfiler] = []
+        self.codes: list[types.CodeType] = []
+
+    @classmethod
+    def join(cls, profiler: LineProfiler) -> bool:
+        """Send `profiler` this process's events; False where ``sys.monitoring`` is
+        missing (Python < 3.12) or has no free tool id (then ``sys.settrace`` is used)."""
+        global _monitor
+        monitoring = getattr(sys, "monitoring", None)
+        if monitoring is None:
+            return False
+        if _monitor is None:
+            free = [t for t in (3, 4) if monitoring.get_tool(t) is None]
+            if not free:
+                return False
+            _monitor = cls(free[0])
+            _monitor._start(monitoring)
+        _monitor.profilers.append(profiler)
+        _monitor.update()
+        return True
+
+    @classmethod
+    def leave(cls, profiler: LineProfiler) -> None:
+        global _monitor
+        if _monitor is None or profiler not in _monitor.profilers:
+            return
+        _monitor.profilers.remove(profiler)
+        _monitor.update()
+        if not _monitor.profilers:
+            _monitor._stop(sys.monitoring)
+            _monitor = None
+
+    def _start(self, monitoring: Any) -> None:
+        events = monitoring.events
+        monitoring.use_tool_id(self.tool, "torchmem")
+        for event, callback in (
+            (events.PY_START, self._enter),
+            (events.PY_RESUME, self._enter),
+            (events.LINE, self._line),
+            (events.PY_RETURN, self._exit),
+            (events.PY_YIELD, self._exit),
+            (events.PY_UNWIND, self._exit),
+        ):
+            monitoring.register_callback(self.tool, event, callback)
+        # Unwinding is a process-wide event only; it fires when an exception leaves a frame.
+        monitoring.set_events(self.tool, events.PY_UNWIND)
+
+    def _stop(self, monitoring: Any) -> None:
+        monitoring.set_events(self.tool, 0)
+        for event in (
+            monitoring.events.PY_START,
+            monitoring.events.PY_RESUME,
+            monitoring.events.LINE,
+            monitoring.events.PY_RETURN,
+            monitoring.events.PY_YIELD,
+            monitoring.events.PY_UNWIND,
+        ):
+            monitoring.register_callback(self.tool, event, None)
+        monitoring.free_tool_id(self.tool)
+
+    def update(self) -> None:
+        """Switch local events on for the code of every enabled profiler, off elsewhere."""
+        monitoring = sys.monitoring
+        events = monitoring.events
+        wanted = {id(f.code): f.code for p in self.profilers for f in p._functions.values()}
+        local = events.PY_START | events.PY_RESUME | events.LINE | events.PY_RETURN
+        for code in self.codes:
+            if id(code) not in wanted:
+                monitoring.set_local_events(self.tool, code, 0)
+        for code in wanted.values():
+            monitoring.set_local_events(self.tool, code, local | events.PY_YIELD)
+        self.codes = list(wanted.values())
+
+    # The callbacks run in the watched frame's thread; its frame is the caller's.
+
+    def _enter(self, code: types.CodeType, offset: int) -> None:
+        frame = sys._getframe(1)
+        for profiler in self.profilers:
+            function = profiler._functions.get(id(code))
+            if function is not None and profiler._depth:
+                profiler._running[frame] = _Frame(profiler, function, None, frame)
+
+    def _line(self, code: types.CodeType, lineno: int) -> None:
+        frame = sys._getframe(1)
+        for profiler in self.profilers:
+            state = profiler._running.get(frame)
+            if state is None:  # resumed by throw(), which starts no PY_RESUME
+                function = profiler._functions.get(id(code))
+                if function is None or not profiler._depth:
+                    continue
+                state = profiler._running[frame] = _Frame(profiler, function, None, frame)
+            profiler._line(state, lineno)
+
+    def _exit(self, code: types.CodeType, offset: int, value: object) -> None:
+        frame = sys._getframe(1)
+        for profiler in self.profilers:
+            state = profiler._running.get(frame)
+            if state is not None:
+                profiler._end(state)
+
+
+_monitor: _Monitor | None = None
 
 
 class LineProfiler:
@@ -326,7 +450,8 @@ class LineProfiler:
         self._depth: dict[int, int] = {}  # thread -> nested enable() calls
         self._hooks: dict[int, _Hook] = {}  # thread -> its trace hook
         self._thread_hook: _Hook | None = None
-        self._running: set[_Frame] = set()
+        self._running: dict[object, _Frame] = {}  # the calls being measured, by frame
+        self._monitored = False
         self.device = device
         self.target_gpu = _gpu_index(target_gpu)
         if device is not None:
@@ -369,6 +494,8 @@ class LineProfiler:
         if id(code) not in self._functions:
             qualname = getattr(inspect.unwrap(func), "__qualname__", code.co_name)
             self._functions[id(code)] = _Function(code, qualname)
+            if self._monitored and _monitor is not None:
+                _monitor.update()
 
     def clear(self) -> None:
         """Forget the watched functions and everything recorded."""
@@ -387,12 +514,14 @@ class LineProfiler:
             depth = self._depth.get(thread, 0)
             self._depth[thread] = depth + 1
             first = len(self._depth) == 1 and depth == 0
-        if depth == 0:
+        if first:
+            self._monitored = _Monitor.join(self)
+            if not self._monitored:
+                self._thread_hook = _Hook(self, threading.gettrace())
+                threading.settrace(self._thread_hook)
+        if depth == 0 and not self._monitored:
             hook = self._hooks[thread] = _Hook(self, sys.gettrace())
             sys.settrace(hook)
-        if first:
-            self._thread_hook = _Hook(self, threading.gettrace())
-            threading.settrace(self._thread_hook)
 
     def disable(self) -> None:
         """Stop profiling in this thread; the previous tracer, if any, is back in place."""
@@ -406,16 +535,19 @@ class LineProfiler:
                 return
             del self._depth[thread]
             last = not self._depth
-        hook = self._hooks.pop(thread)
-        if sys.gettrace() is hook:
+        hook = self._hooks.pop(thread, None)
+        if hook is not None and sys.gettrace() is hook:
             sys.settrace(hook.chained)
+        if last and self._monitored:
+            _Monitor.leave(self)
+            self._monitored = False
         if last and self._thread_hook is not None:
             if threading.gettrace() is self._thread_hook:
                 threading.settrace(self._thread_hook.chained)
             self._thread_hook = None
         # Calls still running here (disable() called inside a watched function, or a
         # debugger took over their frames) stop being measured now.
-        for state in [s for s in self._running if s.thread == thread]:
+        for state in [s for s in list(self._running.values()) if s.thread == thread]:
             self._end(state)
 
     def __enter__(self) -> LineProfiler:
@@ -439,7 +571,7 @@ class LineProfiler:
         state.line = lineno
 
     def _end(self, state: _Frame) -> None:
-        self._running.discard(state)
+        self._running.pop(state.key, None)
         window = state.window
         if window is None:
             return

@@ -6,8 +6,9 @@ the window restarts at each line, so a line's peak is exactly the highest use wh
 ran (including inside the functions it called, watched or not), on a GPU through the
 caching allocator and on CPU tensors through the tensor meter alike.
 
-Only the watched functions pay per line: the trace hook hands every other frame back to
-whatever tracer was installed before (a debugger, coverage.py), or to none.
+Only the watched functions pay per line: on Python 3.12+ ``sys.monitoring`` sends events
+for their code objects alone; before that, a ``sys.settrace`` hook hands every other
+frame back to whatever tracer was installed before (a debugger, coverage.py), or to none.
 """
 
 from __future__ import annotations

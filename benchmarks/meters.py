@@ -7,12 +7,11 @@ time and its ratio to the unwatched run.
 from __future__ import annotations
 
 import contextlib
-import statistics
-import time
 from collections.abc import Callable, Iterator
 
 import torch
 
+from benchmarks import timing
 from torchmem import TensorMeter
 
 
@@ -27,8 +26,8 @@ def small_ops(n: int = 10_000) -> Callable[[], None]:
     return run
 
 
-def mlp_step() -> Callable[[], None]:
-    """One training step of a 3-layer MLP with Adam, batch 64."""
+def mlp() -> tuple[torch.nn.Module, torch.optim.Optimizer, torch.Tensor, torch.Tensor]:
+    """A 3-layer MLP, its Adam optimizer, and a batch of 64 inputs and class labels."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(
         torch.nn.Linear(256, 512),
@@ -39,6 +38,12 @@ def mlp_step() -> Callable[[], None]:
     )
     opt = torch.optim.Adam(model.parameters())
     x, y = torch.randn(64, 256), torch.randint(0, 10, (64,))
+    return model, opt, x, y
+
+
+def mlp_step() -> Callable[[], None]:
+    """One training step of a 3-layer MLP with Adam, batch 64."""
+    model, opt, x, y = mlp()
 
     def run() -> None:
         opt.zero_grad()
@@ -69,26 +74,15 @@ CONTENDERS: dict[str, Callable[[], contextlib.AbstractContextManager]] = {
 CASES = {"10,000 small ops": small_ops, "MLP training step (Adam)": mlp_step}
 
 
-def measure(repeat: int = 5, scale: float = 1.0) -> list[tuple[str, str, float, float]]:
+def measure(repeat: int = 5, scale: float = 1.0) -> list[timing.Row]:
     """(case, contender, median seconds, ratio to unwatched) for every pair."""
     rows = []
     for case, make in CASES.items():
         work = make(int(10_000 * scale)) if make is small_ops else make()
-        times: dict[str, list[float]] = {name: [] for name in CONTENDERS}
-        for _ in range(repeat):
-            for name, context in CONTENDERS.items():
-                with context():
-                    start = time.perf_counter()
-                    work()
-                    times[name].append(time.perf_counter() - start)
-        base = statistics.median(times["unwatched"])
-        for name, samples in times.items():
-            median = statistics.median(samples)
-            rows.append((case, name, median, median / base))
+        found = timing.medians(work, CONTENDERS, repeat)
+        rows += timing.rows(case, list(CONTENDERS), found, "unwatched")
     return rows
 
 
-def table(rows: list[tuple[str, str, float, float]]) -> str:
-    lines = ["| case | contender | median | ratio |", "| --- | --- | ---: | ---: |"]
-    lines += [f"| {c} | {n} | {t * 1e3:.2f} ms | {r:.2f}x |" for c, n, t, r in rows]
-    return "\n".join(lines)
+def table(rows: list[timing.Row]) -> str:
+    return timing.table(rows)

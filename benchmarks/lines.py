@@ -53,7 +53,7 @@ def unprofiled(work: Work) -> Callable[[], contextlib.AbstractContextManager]:
 
 
 def torchmem_lines(work: Work) -> Callable[[], contextlib.AbstractContextManager]:
-    return lambda: torchmem.LineProfiler(work)
+    return lambda: torchmem.LineProfiler(work, device="cpu")  # CPU tensors on any machine
 
 
 def memory_profiler_lines(work: Work) -> Callable[[], contextlib.AbstractContextManager]:

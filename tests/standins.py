@@ -12,14 +12,23 @@ a GPU (the way ``wookayin/gpustat``'s tests stand in for NVML).
 
 :func:`install_gpus` installs both with pytest's ``monkeypatch``; :func:`isolated` gives
 each test torchmem's meter registry and NVML cache fresh.
+
+For tests about a machine without a GPU, on every machine: :func:`hide_gpus` makes this
+process see none, :func:`environ_without_gpu` is the environment for a subprocess that
+must see none, and :func:`call_in_fresh_process_without_gpu` runs a measurement in a new
+interpreter where CUDA is never initialised.
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
+import json
+import os
+import subprocess
 import sys
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -339,11 +348,13 @@ class CudaStandIn:
         self.factory_calls: list[dict[str, Any]] = []
         """Arguments of each call to a :meth:`tensor_factory` stand-in."""
 
-    def install(self, monkeypatch: pytest.MonkeyPatch) -> CudaStandIn:
-        """Replace the ``torch.cuda`` functions (and set the environment CUDA would have
-        read) for the rest of the test."""
+    def install(self, monkeypatch: pytest.MonkeyPatch, environ: bool = True) -> CudaStandIn:
+        """Replace the ``torch.cuda`` functions (and, with `environ`, set the environment
+        CUDA would have read) for the rest of the test."""
         for name in self.FUNCTIONS:
             monkeypatch.setattr(torch.cuda, name, getattr(self, name))
+        if not environ:
+            return self
         for variable, value in (
             ("CUDA_VISIBLE_DEVICES", self.visible_devices),
             ("CUDA_DEVICE_ORDER", self.device_order),
@@ -658,3 +669,79 @@ def install_gpus(
     init_error = "Driver/library version mismatch" if nvml == "broken" else None
     lib = NvmlStandIn(gpus, init_error, uuid_bytes, calls=cuda.calls).install(monkeypatch)
     return StandIns(cuda, lib)
+
+
+# No GPU ------------------------------------------------------------------------------
+
+
+def hide_gpus(monkeypatch: pytest.MonkeyPatch) -> CudaStandIn:
+    """Make this process see no GPU for the rest of the test, whatever the machine has:
+    ``torch.cuda.is_available()`` is False and ``device_count()`` is 0 (a
+    :class:`CudaStandIn` over no devices).
+
+    The environment is left alone: were some real CUDA call to initialise CUDA during the
+    test, a ``CUDA_VISIBLE_DEVICES`` changed here would stay in force for the rest of the
+    process, and the tests after this one that need the real GPU would not see it.
+    """
+    return CudaStandIn([]).install(monkeypatch, environ=False)
+
+
+def environ_without_gpu() -> dict[str, str]:
+    """This process's environment with every GPU hidden (``CUDA_VISIBLE_DEVICES=""``), for
+    a subprocess that must see no GPU, whatever the machine has."""
+    return {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+
+
+_FRESH_PROCESS = """\
+import importlib.util, json, os, sys
+path, qualname, args = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+sys.path.insert(0, os.path.dirname(path))
+spec = importlib.util.spec_from_file_location("_fresh_process_module", path)
+module = importlib.util.module_from_spec(spec)
+sys.modules[spec.name] = module
+spec.loader.exec_module(module)
+function = module
+for name in qualname.split("."):
+    function = getattr(function, name)
+result = function(*args)
+import torch
+print(json.dumps({"result": result, "cuda_initialized": torch.cuda.is_initialized()}))
+"""
+
+
+def call_in_fresh_process_without_gpu(function: Callable[..., Any], *args: Any) -> Any:
+    """Call `function` (module level, in a test module) with `args` in a new Python process
+    that sees no GPU (:func:`environ_without_gpu`), and return its result; arguments and
+    result travel as JSON.
+
+    For measurements of the whole process, such as its resident memory: there, nothing
+    but the code measured runs. The test process, once earlier tests have run, has dozens
+    of threads (CUDA's, PyTorch's CPU thread pool, an allocator's background purge thread)
+    that fault in and free pages on their own schedule, and Linux counts resident pages
+    per CPU in batches: its resident size moves by a MiB or more that no code under test
+    caused. The new process imports the test module afresh and never initialises CUDA
+    (this is checked).
+    """
+    qualname = function.__qualname__
+    if "<locals>" in qualname:
+        raise AssertionError(f"stand-in: {qualname} must be defined at module level")
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            _FRESH_PROCESS,
+            inspect.getfile(function),
+            qualname,
+            json.dumps(args),
+        ],
+        env=environ_without_gpu(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    if result.returncode != 0:
+        raise AssertionError(f"{qualname} failed in a fresh process:\n{result.stderr}")
+    answer = json.loads(result.stdout.splitlines()[-1])
+    if answer["cuda_initialized"]:
+        raise AssertionError(f"{qualname} initialised CUDA in a process meant to have no GPU")
+    return answer["result"]

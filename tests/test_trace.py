@@ -1,4 +1,8 @@
-"""MemTrace / GPUMemTrace and the mem_trace decorator, exact on CPU tensors."""
+"""MemTrace / GPUMemTrace and the mem_trace decorator, exact on CPU tensors.
+
+Tests of the default device hide the GPUs (:func:`standins.hide_gpus`) so that it is CPU
+tensors on every machine; the trace of process RAM runs in a fresh process.
+"""
 
 import gc
 
@@ -6,6 +10,7 @@ import pytest
 import torch
 
 import torchmem
+from standins import call_in_fresh_process_without_gpu, hide_gpus
 from torchmem import GPUMemTrace, MemTrace, gpu_mem_trace, mem_trace
 
 MiB = 2**20
@@ -20,7 +25,13 @@ def test_aliases_are_the_same_code():
     assert gpu_mem_trace is mem_trace
 
 
-def test_default_device_without_a_gpu_is_cpu_tensors():
+@pytest.fixture
+def no_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """This process sees no GPU, whatever the machine has."""
+    hide_gpus(monkeypatch)
+
+
+def test_default_device_without_a_gpu_is_cpu_tensors(no_gpu):
     trace = MemTrace()
     assert trace.meter is torchmem.meter("cpu")
     trace.stop()
@@ -206,7 +217,7 @@ class Model:
         return n
 
 
-def test_decorator_forms_report_the_qualname(capsys):
+def test_decorator_forms_report_the_qualname(no_gpu, capsys):
     kept = make(3)
     assert kept.numel() == 3 * MiB
     assert Model().forward(4) == 4
@@ -230,10 +241,17 @@ def test_decorator_passes_exceptions_through(capsys):
     assert capsys.readouterr().out == f"△Used Peaked MB:      0      0 ({qualname}: exit)\n"
 
 
-def test_ram_device_traces_process_memory():
+def trace_a_ram_spike() -> tuple[int, int]:
+    """Trace 64 MiB of process RAM allocated and freed inside one call: ``trace.data()``."""
     with MemTrace(device="ram", on_exit_report=False) as trace:
         len(b"\x01" * (64 * MiB))  # freed inside one call
-    used, peaked = trace.data()
+    return trace.data()
+
+
+def test_ram_device_traces_process_memory():
+    # In a fresh process that never initialises CUDA: in this one, threads that earlier
+    # tests started (CUDA's, PyTorch's CPU pool) move the resident size on their own.
+    used, peaked = call_in_fresh_process_without_gpu(trace_a_ram_spike)
     assert peaked >= 63  # within the kernel's RSS batching
     assert abs(used) < 8
 

@@ -1,16 +1,27 @@
-"""Peak windows and meter selection, on the deterministic CPU tensor meter."""
+"""Peak windows and meter selection, on the deterministic CPU tensor meter.
+
+The tests about a machine without a GPU hide the GPUs themselves (:func:`standins.hide_gpus`),
+so they test the same thing on every machine.
+"""
 
 import pytest
 import torch
 
 import torchmem
+from standins import hide_gpus
 from torchmem import TensorMeter, TorchmemError, meter
 from torchmem.meters import RamMeter
 
 MiB = 2**20
 
 
-def test_default_meter_without_a_gpu_is_the_cpu_tensor_meter():
+@pytest.fixture
+def no_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """This process sees no GPU, whatever the machine has."""
+    hide_gpus(monkeypatch)
+
+
+def test_default_meter_without_a_gpu_is_the_cpu_tensor_meter(no_gpu):
     assert isinstance(meter(), TensorMeter)
     assert meter() is meter("cpu") is meter(torch.device("cpu"))
     assert meter().device == "cpu"
@@ -38,7 +49,7 @@ def test_meter_by_device_string():
         ("hpu", "'hpu'"),
     ],
 )
-def test_bad_or_missing_devices_raise_naming_the_value(bad, shown):
+def test_bad_or_missing_devices_raise_naming_the_value(no_gpu, bad, shown):
     with pytest.raises(ValueError) as info:
         meter(bad)
     assert shown in str(info.value)
@@ -93,7 +104,7 @@ def test_many_windows_open_at_once_are_each_exact():
     ("bad", "shown"),
     [(None, "None"), (0, "0"), (-1, "-1"), ("x", "'x'"), ("cpu", "'cpu'"), (1.5, "1.5")],
 )
-def test_device_meter_without_a_gpu_or_with_a_bad_index_names_it(bad, shown):
+def test_device_meter_without_a_gpu_or_with_a_bad_index_names_it(no_gpu, bad, shown):
     with pytest.raises(ValueError) as info:
         torchmem.device_meter(bad)
     assert shown in str(info.value)

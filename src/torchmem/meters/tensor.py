@@ -17,7 +17,7 @@ report their fake device.
 
 from __future__ import annotations
 
-import functools
+import itertools
 import threading
 import weakref
 from collections.abc import Iterator
@@ -69,16 +69,20 @@ class TensorMeter(Meter):
         self._peak = 0
         self._allocated_total = 0
         self._freed_total = 0
-        self._sizes: dict[int, int] = {}
-        self._refs: dict[int, weakref.ref] = {}
+        self._live: dict[int, _Ref] = {}
+        self._log: list[int] = []
+        self._settling = False
+        self._on_freed = self._freed
         self._modes: dict[int, _WatchMode] = {}
         self._owners: dict[int, int] = {}
         self._stale: dict[int, list[_WatchMode]] = {}
 
     def used(self) -> int:
+        self._settle()
         return self._used
 
     def counters(self) -> dict[str, int]:
+        self._settle()
         return {
             "allocated_bytes.all.current": self._used,
             "allocated_bytes.all.allocated": self._allocated_total,
@@ -86,9 +90,11 @@ class TensorMeter(Meter):
         }
 
     def _peaks(self) -> dict[str, int]:
+        self._settle()
         return {"allocated_bytes.all": self._peak}
 
     def _reset_peaks(self) -> None:
+        self._settle()
         self._peak = self._used
 
     # Watching: one dispatch mode per thread with open windows --------------------------
@@ -122,31 +128,52 @@ class TensorMeter(Meter):
 
     # Counting ----------------------------------------------------------------------
 
-    def _add(self, nbytes: int) -> None:
-        """Count `nbytes` more in use (fewer, if negative). Caller holds the lock."""
-        used = self._used = self._used + nbytes
-        if nbytes > 0:
-            self._allocated_total += nbytes
-            if used > self._peak:
-                self._peak = used
-        else:
-            self._freed_total -= nbytes
-
     def _count(self, storage: torch.UntypedStorage, nbytes: int) -> None:
         """Count `nbytes` more on `storage`, and take them off when it dies."""
         key = storage._cdata
-        with self._lock:
-            if key in self._sizes:
-                self._sizes[key] += nbytes
-            else:
-                self._sizes[key] = nbytes
-                self._refs[key] = weakref.ref(storage, functools.partial(self._freed, key))
-            self._add(nbytes)
+        ref = self._live.get(key)
+        if ref is None:
+            ref = _Ref(storage, self._on_freed)
+            ref.key = key
+            ref.nbytes = nbytes
+            self._live[key] = ref
+        else:
+            ref.nbytes += nbytes
+        self._log.append(nbytes)
+        if len(self._log) > _LOG_LIMIT:
+            self._settle()
 
-    def _freed(self, key: int, _ref: weakref.ref) -> None:
+    def _freed(self, ref: _Ref) -> None:
+        self._live.pop(ref.key, None)
+        self._log.append(-ref.nbytes)
+        if len(self._log) > _LOG_LIMIT:
+            self._settle()
+
+    def _settle(self) -> None:
+        """Fold the changes logged since the last call into the counters, in order.
+
+        Counting and freeing only append to the log (one atomic step, in any thread, also
+        from inside a weakref callback), so neither needs the lock."""
+        log = self._log
         with self._lock:
-            self._refs.pop(key, None)
-            self._add(-self._sizes.pop(key, 0))
+            if self._settling or not log:
+                # Or called again from inside itself, by a weakref callback that a garbage
+                # collection ran: what it logged stays for the next call.
+                return
+            self._settling = True
+            try:
+                n = len(log)
+                changes = log[:n]
+                del log[:n]
+                used = list(itertools.accumulate(changes, initial=self._used))
+                net = used[-1] - used[0]
+                moved = sum(map(abs, changes))
+                self._used = used[-1]
+                self._peak = max(self._peak, max(used))
+                self._allocated_total += (moved + net) // 2
+                self._freed_total += (moved - net) // 2
+            finally:
+                self._settling = False
 
     def _created(self, tensor: torch.Tensor, owned_only: bool = False) -> None:
         """An operator returned `tensor` in a storage of its own: count it if new here."""
@@ -157,11 +184,31 @@ class TensorMeter(Meter):
         else:
             storages = _storages(tensor)
         for storage in storages:
-            if storage._cdata in self._sizes or (owned_only and not storage.resizable()):
+            if storage._cdata in self._live or (owned_only and not storage.resizable()):
                 continue
             nbytes = storage.nbytes()
             if nbytes:
                 self._count(storage, nbytes)
+
+    def _returned(self, fresh: tuple[bool, ...], out: Any, args: tuple) -> None:
+        """Count the new storages of the returns flagged in `fresh`."""
+        for is_fresh, value in zip(fresh, (out,) if len(fresh) == 1 else out, strict=False):
+            if is_fresh:
+                for tensor in _tensors(value):
+                    if not any(tensor is arg for arg in args):
+                        self._created(tensor)
+
+    def _grown(self, tensor: torch.Tensor, storage: torch.UntypedStorage, nbytes: int) -> None:
+        """`storage` held `nbytes` before an operator that wrote to `tensor` (resize_, out=)
+        made it larger: count the growth if `tensor` still uses it."""
+        if tensor.untyped_storage()._cdata == storage._cdata and tensor.device == self._device:
+            self._count(storage, storage.nbytes() - nbytes)
+
+
+class _Ref(weakref.ref):
+    """A weak reference to a counted storage, with its key and its counted bytes."""
+
+    __slots__ = ("key", "nbytes")
 
 
 class _WatchMode(TorchDispatchMode):
@@ -174,54 +221,104 @@ class _WatchMode(TorchDispatchMode):
         self.windows = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
+        facts = _FACTS.get(id(func))
+        if facts is None or facts[0] is not func:
+            facts = _learn(func)
+        _, call, fresh, mutated = facts
         if not self.active:
-            return func(*args, **kwargs)
-        fresh, mutated = _schema(func)
-        before = list(_sized(_arguments(mutated, args, kwargs))) if mutated else ()
-        out = func(*args, **kwargs)
+            return call(*args, **kwargs) if kwargs else call(*args)
+        before = None
+        if mutated:
+            first = args[0] if args else None
+            if mutated is _SELF and isinstance(first, torch.Tensor) and first.layout is _STRIDED:
+                # An in-place operator (add_, uniform_), the usual case: made quick.
+                try:
+                    storage = first.untyped_storage()
+                    before = ((first, storage, storage.nbytes()),)
+                except (NotImplementedError, RuntimeError):  # a subclass with no storage
+                    pass
+            else:
+                before = _sizes(mutated, args, kwargs)
+        out = call(*args, **kwargs) if kwargs else call(*args)
         meter = self.meter
-        # A storage that an operator grew in place (resize_, out= into a small tensor).
-        for tensor, storage, nbytes in before:
-            grown = tensor.untyped_storage()
-            same = grown._cdata == storage._cdata and tensor.device == meter._device
-            if same and grown.nbytes() > nbytes:
-                meter._count(grown, grown.nbytes() - nbytes)
-        returns = (out,) if len(fresh) == 1 else out if fresh else ()
-        for is_fresh, value in zip(fresh, returns, strict=False):
-            for tensor in _tensors(value):
-                if is_fresh:
-                    if not any(tensor is arg for arg in args):
-                        meter._created(tensor)
-                elif func is _LIFT_FRESH:
-                    # torch.tensor(data) builds its storage before dispatch and only
-                    # lifts it here; from_numpy lifts memory it borrowed (not resizable).
-                    meter._created(tensor, owned_only=True)
+        if before:
+            for tensor, storage, nbytes in before:
+                if storage.nbytes() > nbytes:
+                    meter._grown(tensor, storage, nbytes)
+        if fresh is _ONE_FRESH and isinstance(out, torch.Tensor):
+            # Most operators return one new strided tensor: counted right here.
+            if out.layout is not _STRIDED:
+                meter._returned(fresh, out, args)
+            elif out.device == meter._device:
+                storage = out.untyped_storage()
+                if storage._cdata in meter._live:
+                    return out
+                for arg in args:
+                    if arg is out:
+                        return out
+                nbytes = storage.nbytes()
+                if nbytes:
+                    meter._count(storage, nbytes)
+        elif fresh:
+            meter._returned(fresh, out, args)
+        elif func is _LIFT_FRESH:
+            # torch.tensor(data) builds its storage before dispatch and only lifts it
+            # here; from_numpy lifts memory it borrowed (not resizable).
+            for tensor in _tensors(out):
+                meter._created(tensor, owned_only=True)
         return out
 
 
-@functools.cache
-def _schema(func: Any) -> tuple[tuple[bool, ...], tuple[tuple[int, str], ...]]:
-    """For an operator: which returns are new tensors (not aliases of an argument), and
-    the position and name of each argument it writes to."""
+_LOG_LIMIT = 4096
+_STRIDED = torch.strided
+_ONE_FRESH = (True,)
+_SELF = ((0, "self"),)
+_FACTS: dict[int, tuple] = {}
+"""Per operator, by id: the operator, what to call, `fresh` and `mutated` (see _learn)."""
+
+
+def _learn(func: Any) -> tuple:
+    """For an operator: the callable that runs it (an OpOverload's own ``_op``, one Python
+    call less), which returns are new tensors (not aliases of an argument), and the
+    position and name of each argument it writes to."""
     schema = getattr(func, "_schema", None)
-    if schema is None:
-        return (), ()
-    fresh = tuple(r.alias_info is None for r in schema.returns)
-    mutated = tuple(
-        (i, a.name)
-        for i, a in enumerate(schema.arguments)
-        if a.alias_info is not None and a.alias_info.is_write
-    )
-    return fresh, mutated
+    fresh: tuple[bool, ...] = ()
+    mutated: tuple[tuple[int, str], ...] = ()
+    if schema is not None:
+        fresh = tuple(r.alias_info is None for r in schema.returns)
+        mutated = tuple(
+            (i, a.name)
+            for i, a in enumerate(schema.arguments)
+            if a.alias_info is not None and a.alias_info.is_write
+        )
+    if mutated == _SELF:
+        mutated = _SELF
+    if fresh == _ONE_FRESH:
+        fresh = _ONE_FRESH
+    elif not any(fresh):
+        fresh = ()
+    call = func._op if type(func) is torch._ops.OpOverload else func
+    facts = _FACTS[id(func)] = (func, call, fresh, mutated)
+    return facts
 
 
-def _arguments(
-    positions: tuple[tuple[int, str], ...], args: tuple, kwargs: dict
-) -> Iterator[torch.Tensor]:
-    for i, name in positions:
-        value = args[i] if i < len(args) else kwargs.get(name)
-        yield from _tensors(value)
+def _sizes(
+    mutated: tuple[tuple[int, str], ...], args: tuple, kwargs: dict | None
+) -> list[tuple[torch.Tensor, torch.UntypedStorage, int]]:
+    """Each strided tensor among the arguments an operator writes to, with its storage
+    and the storage's size now."""
+    found = []
+    for i, name in mutated:
+        value = args[i] if i < len(args) else kwargs.get(name) if kwargs else None
+        tensors = (value,) if isinstance(value, torch.Tensor) else _tensors(value)
+        for tensor in tensors:
+            if tensor.layout is _STRIDED:
+                try:
+                    storage = tensor.untyped_storage()
+                except (NotImplementedError, RuntimeError):  # a subclass with no storage
+                    continue
+                found.append((tensor, storage, storage.nbytes()))
+    return found
 
 
 def _tensors(value: object) -> Iterator[torch.Tensor]:
@@ -231,16 +328,6 @@ def _tensors(value: object) -> Iterator[torch.Tensor]:
         for item in value:
             if isinstance(item, torch.Tensor):
                 yield item
-
-
-def _sized(
-    tensors: Iterator[torch.Tensor],
-) -> Iterator[tuple[torch.Tensor, torch.UntypedStorage, int]]:
-    """Each strided tensor with its storage and the storage's size now."""
-    for tensor in tensors:
-        if tensor.layout is torch.strided:
-            for storage in _storages(tensor):
-                yield tensor, storage, storage.nbytes()
 
 
 def _storages(tensor: torch.Tensor) -> Iterator[torch.UntypedStorage]:

@@ -1,20 +1,108 @@
-"""The tensor meter's quick paths: in-place writes, long runs between readings, frees
-from other threads and from the garbage collector."""
+"""The tensor meter's quick paths: exact under torch.compile, in-place writes, long runs
+between readings, and frees from other threads."""
 
 import gc
+import shutil
 import threading
 
 import pytest
 import torch
+import torch._dynamo
+import torch._dynamo.testing
 
 from torchmem import TensorMeter
 
 MiB = 2**20
 
+# torch.compile's own import of TorchScript warns that it is deprecated.
+pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated")
+needs_dynamo = pytest.mark.skipif(
+    not torch._dynamo.is_dynamo_supported(), reason="torch.compile does not run on this Python"
+)
+
 
 @pytest.fixture
 def m():
     return TensorMeter("cpu")
+
+
+@pytest.fixture
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def double_sin_plus_one(x):
+    return (x * 2).sin() + 1  # two 4 KiB temporaries, one 4 KiB result
+
+
+def check_compiled_under_a_window(m, compiled):
+    x = torch.randn(1024)
+    expected = double_sin_plus_one(x)
+    with m.window() as w:
+        result = compiled(x)
+        assert m.used() == 4096
+        assert w.peak() == 8192  # x * 2 and its sine; the product dies before the + 1
+    assert torch.equal(result, expected)
+    del result
+    assert m.used() == 0
+
+
+@needs_dynamo
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_a_compiled_function_counts_exactly_in_a_window_and_is_untouched_outside(m):
+    backend = torch._dynamo.testing.CompileCounter()
+    compiled = torch.compile(double_sin_plus_one, backend=backend)
+    x = torch.randn(1024)
+    assert torch.equal(compiled(x), double_sin_plus_one(x))
+    assert (backend.frame_count, backend.op_count) == (1, 3)
+
+    check_compiled_under_a_window(m, compiled)
+
+    # Nothing of the meter was compiled, and the compiled function still runs its graph.
+    assert torch.equal(compiled(x), double_sin_plus_one(x))
+    assert (backend.frame_count, backend.op_count) == (1, 3)
+
+
+@needs_dynamo
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_a_function_first_compiled_inside_a_window_counts_exactly(m):
+    check_compiled_under_a_window(m, torch.compile(double_sin_plus_one, backend="eager"))
+
+
+@needs_dynamo
+@pytest.mark.usefixtures("fresh_dynamo")
+@pytest.mark.skipif(
+    not any(shutil.which(cxx) for cxx in ("g++", "c++", "clang++")),
+    reason="inductor needs a C++ compiler for CPU code",
+)
+def test_inductor_compiled_function_counts_exactly_in_a_window(m):
+    compiled = torch.compile(double_sin_plus_one)
+    x = torch.randn(1024)
+    torch.testing.assert_close(compiled(x), double_sin_plus_one(x))  # inductor's own sine
+    check_compiled_under_a_window(m, compiled)
+
+
+@needs_dynamo
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_a_counted_storage_freed_inside_compiled_code_is_taken_off(m):
+    kept = []
+    with m.window():
+        kept.append(torch.ones(MiB, dtype=torch.uint8))
+    assert m.used() == MiB
+    backend = torch._dynamo.testing.CompileCounter()
+
+    @torch.compile(backend=backend)
+    def pop_and_add(tensors, y):
+        tensors.pop()
+        return y + 1
+
+    y = torch.ones(4)
+    assert torch.equal(pop_and_add(kept, y), y + 1)
+    assert kept == []
+    assert m.used() == 0
+    assert backend.frame_count == 1
 
 
 def test_in_place_writes_to_parameters_and_views_cost_nothing(m):

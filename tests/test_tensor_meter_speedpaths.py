@@ -191,3 +191,35 @@ def test_storages_the_garbage_collector_frees_at_any_moment_add_up(m):
         "allocated_bytes.all.allocated": 300_000,
         "allocated_bytes.all.freed": 300_000,
     }
+
+
+def test_a_spike_in_another_thread_during_a_restart_shows_in_the_new_period(m):
+    """Another thread's operators do not wait for a window's restart: what they do while
+    it runs belongs to the period after it, never to neither."""
+    go, done, leave = threading.Event(), threading.Event(), threading.Event()
+
+    def spike():
+        with m.window():
+            go.wait()
+            temp = torch.empty(MiB, dtype=torch.uint8)
+            del temp
+            done.set()
+            leave.wait()
+
+    other = threading.Thread(target=spike)
+    with m.window() as w:
+        other.start()
+        fold = w._fold
+
+        def fold_then_spike(peaks):
+            fold(peaks)
+            go.set()
+            done.wait(timeout=1)  # a thread that has to wait for the restart times out
+
+        w._fold = fold_then_spike
+        w.restart()
+        w._fold = fold
+        done.wait()
+        assert w.peak() - w.start == MiB
+    leave.set()
+    other.join()

@@ -71,7 +71,6 @@ class TensorMeter(Meter):
         self._freed_total = 0
         self._live: dict[int, _Ref] = {}
         self._log: list[int] = []
-        self._settling = False
         self._on_freed = self._freed
         self._modes: dict[int, _WatchMode] = {}
         self._owners: dict[int, int] = {}
@@ -83,19 +82,46 @@ class TensorMeter(Meter):
 
     def counters(self) -> dict[str, int]:
         self._settle()
-        return {
-            "allocated_bytes.all.current": self._used,
-            "allocated_bytes.all.allocated": self._allocated_total,
-            "allocated_bytes.all.freed": self._freed_total,
-        }
+        with self._lock:
+            return {
+                "allocated_bytes.all.current": self._used,
+                "allocated_bytes.all.allocated": self._allocated_total,
+                "allocated_bytes.all.freed": self._freed_total,
+            }
 
     def _peaks(self) -> dict[str, int]:
-        self._settle()
         return {"allocated_bytes.all": self._peak}
 
     def _reset_peaks(self) -> None:
-        self._settle()
         self._peak = self._used
+
+    # Each step on windows folds the log in once, first, and then sees one moment: what
+    # other threads log meanwhile waits for the next step, as they once waited for the lock.
+
+    def window(self) -> Window:
+        with self._lock:
+            self._fold_log()
+            return super().window()
+
+    def _restart(self, window: Window) -> None:
+        with self._lock:
+            self._fold_log()
+            super()._restart(window)
+
+    def _close(self, window: Window) -> None:
+        with self._lock:
+            self._fold_log()
+            super()._close(window)
+
+    def _lap(self, window: Window) -> tuple[dict[str, int], dict[str, int]]:
+        with self._lock:
+            self._fold_log()
+            return super()._lap(window)
+
+    def _window_peaks(self, window: Window) -> dict[str, int]:
+        with self._lock:
+            self._fold_log()
+            return super()._window_peaks(window)
 
     # Watching: one dispatch mode per thread with open windows --------------------------
 
@@ -150,30 +176,33 @@ class TensorMeter(Meter):
             self._settle()
 
     def _settle(self) -> None:
-        """Fold the changes logged since the last call into the counters, in order.
+        """Fold the log in, unless this thread is inside a step of the meter (which holds
+        the lock, and folded the log when it began)."""
+        if not self._lock._is_owned():
+            with self._lock:
+                self._fold_log()
+
+    def _fold_log(self) -> None:
+        """Fold the changes logged since the last call into the counters, in order; with
+        the lock held.
 
         Counting and freeing only append to the log (one atomic step, in any thread, also
-        from inside a weakref callback), so neither needs the lock."""
+        from inside a weakref callback), so neither needs the lock. A storage freed while
+        this runs (a garbage collection can start at any allocation) is appended after
+        the changes taken here, and folded next time."""
         log = self._log
-        with self._lock:
-            if self._settling or not log:
-                # Or called again from inside itself, by a weakref callback that a garbage
-                # collection ran: what it logged stays for the next call.
-                return
-            self._settling = True
-            try:
-                n = len(log)
-                changes = log[:n]
-                del log[:n]
-                used = list(itertools.accumulate(changes, initial=self._used))
-                net = used[-1] - used[0]
-                moved = sum(map(abs, changes))
-                self._used = used[-1]
-                self._peak = max(self._peak, max(used))
-                self._allocated_total += (moved + net) // 2
-                self._freed_total += (moved - net) // 2
-            finally:
-                self._settling = False
+        n = len(log)
+        if not n:
+            return
+        changes = log[:n]
+        del log[:n]
+        used = list(itertools.accumulate(changes, initial=self._used))
+        net = used[-1] - used[0]
+        moved = sum(map(abs, changes))
+        self._used = used[-1]
+        self._peak = max(self._peak, max(used))
+        self._allocated_total += (moved + net) // 2
+        self._freed_total += (moved - net) // 2
 
     def _created(self, tensor: torch.Tensor, owned_only: bool = False) -> None:
         """An operator returned `tensor` in a storage of its own: count it if new here."""

@@ -230,8 +230,9 @@ class TensorMeter(Meter):
     def _grown(self, tensor: torch.Tensor, storage: torch.UntypedStorage, nbytes: int) -> None:
         """`storage` held `nbytes` before an operator that wrote to `tensor` (resize_, out=)
         made it larger: count the growth if `tensor` still uses it."""
-        if tensor.untyped_storage()._cdata == storage._cdata and tensor.device == self._device:
-            self._count(storage, storage.nbytes() - nbytes)
+        grown = tensor.untyped_storage()
+        if grown._cdata == storage._cdata and tensor.device == self._device:
+            self._count(grown, grown.nbytes() - nbytes)
 
 
 class _Ref(weakref.ref):

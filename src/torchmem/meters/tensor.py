@@ -81,13 +81,18 @@ class TensorMeter(Meter):
         return self._used
 
     def counters(self) -> dict[str, int]:
-        self._settle()
+        if self._lock._is_owned():  # inside a step of the meter, which folded the log
+            return self._counters()
         with self._lock:
-            return {
-                "allocated_bytes.all.current": self._used,
-                "allocated_bytes.all.allocated": self._allocated_total,
-                "allocated_bytes.all.freed": self._freed_total,
-            }
+            self._fold_log()
+            return self._counters()
+
+    def _counters(self) -> dict[str, int]:
+        return {
+            "allocated_bytes.all.current": self._used,
+            "allocated_bytes.all.allocated": self._allocated_total,
+            "allocated_bytes.all.freed": self._freed_total,
+        }
 
     def _peaks(self) -> dict[str, int]:
         return {"allocated_bytes.all": self._peak}

@@ -60,6 +60,8 @@ class TensorMeter(Meter):
     """
 
     stats = ("allocated_bytes.all",)
+    _log_limit = 4096
+    """Fold the log in when it grows longer than this between readings."""
 
     def __init__(self, device: str | int | torch.device = "cpu") -> None:
         super().__init__()
@@ -71,7 +73,7 @@ class TensorMeter(Meter):
         self._freed_total = 0
         self._live: dict[int, _Ref] = {}
         self._log: list[int] = []
-        self._on_freed = self._freed
+        self._on_freed = self._freed  # one bound method, shared by every weak reference
         self._modes: dict[int, _WatchMode] = {}
         self._owners: dict[int, int] = {}
         self._stale: dict[int, list[_WatchMode]] = {}
@@ -171,13 +173,13 @@ class TensorMeter(Meter):
         else:
             ref.nbytes += nbytes
         self._log.append(nbytes)
-        if len(self._log) > _LOG_LIMIT:
+        if len(self._log) > self._log_limit:
             self._settle()
 
     def _freed(self, ref: _Ref) -> None:
         self._live.pop(ref.key, None)
         self._log.append(-ref.nbytes)
-        if len(self._log) > _LOG_LIMIT:
+        if len(self._log) > self._log_limit:
             self._settle()
 
     def _settle(self) -> None:
@@ -310,7 +312,6 @@ class _WatchMode(TorchDispatchMode):
         return out
 
 
-_LOG_LIMIT = 4096
 _STRIDED = torch.strided
 _ONE_FRESH = (True,)
 _SELF = ((0, "self"),)

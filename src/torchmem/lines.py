@@ -282,26 +282,26 @@ class _Frame:
         return self
 
 
-class _Hook:
-    """The global trace function of one thread: it traces the watched functions' frames
-    and leaves every other frame to the tracer that was there before (or to none)."""
+def _hook(profiler: LineProfiler, chained: Any) -> Any:
+    """The global trace function for one thread: it traces the watched functions' frames
+    and leaves every other frame to `chained`, the tracer that was there before (or to
+    none). A plain function, as it runs on every Python call: the cheapest thing to call.
+    """
+    functions, running, depth = profiler._functions, profiler._running, profiler._depth
 
-    __slots__ = ("chained", "profiler")
-
-    def __init__(self, profiler: LineProfiler, chained: Any) -> None:
-        self.profiler = profiler
-        self.chained = chained
-
-    def __call__(self, frame: types.FrameType, event: str, arg: Any) -> Any:
-        local = self.chained(frame, event, arg) if self.chained is not None else None
-        profiler = self.profiler
-        if event == "call" and profiler._depth:
-            function = profiler._functions.get(id(frame.f_code))
+    def hook(frame: types.FrameType, event: str, arg: Any) -> Any:
+        # Only "call" events reach a global trace function.
+        local = chained(frame, event, arg) if chained is not None else None
+        if depth:
+            function = functions.get(id(frame.f_code))
             if function is not None:
                 state = _Frame(profiler, function, local)
-                profiler._running[state] = state
+                running[state] = state  # not by frame: that would keep its locals alive
                 return state
         return local
+
+    hook.chained = chained  # type: ignore[attr-defined]
+    return hook
 
 
 class _Monitor:
@@ -449,8 +449,8 @@ class LineProfiler:
         self._functions: dict[int, _Function] = {}
         self._lock = threading.Lock()
         self._depth: dict[int, int] = {}  # thread -> nested enable() calls
-        self._hooks: dict[int, _Hook] = {}  # thread -> its trace hook
-        self._thread_hook: _Hook | None = None
+        self._hooks: dict[int, Any] = {}  # thread -> its trace hook
+        self._thread_hook: Any = None
         self._running: dict[object, _Frame] = {}  # the calls being measured, by frame
         self._monitored = False
         self.device = device
@@ -518,10 +518,10 @@ class LineProfiler:
         if first:
             self._monitored = _Monitor.join(self)
             if not self._monitored:
-                self._thread_hook = _Hook(self, threading.gettrace())
+                self._thread_hook = _hook(self, threading.gettrace())
                 threading.settrace(self._thread_hook)
         if depth == 0 and not self._monitored:
-            hook = self._hooks[thread] = _Hook(self, sys.gettrace())
+            hook = self._hooks[thread] = _hook(self, sys.gettrace())
             sys.settrace(hook)
 
     def disable(self) -> None:

@@ -14,7 +14,15 @@ import pytest
 import torch
 
 import torchmem.lines
-from standins import CudaStandIn, GiB, MiB, StandInGpu, gpu_uuid, isolated
+from standins import (
+    CudaStandIn,
+    GiB,
+    MiB,
+    StandInGpu,
+    call_in_fresh_process_without_gpu,
+    gpu_uuid,
+    isolated,
+)
 from torchmem import LineProfiler, profile, profile_every, set_target_gpu, valid_columns
 
 PEAK, DELTA = "active_bytes.all.peak", "active_bytes.all.delta"
@@ -516,6 +524,31 @@ def test_a_function_defined_in_an_ipython_cell():
         "       4.00M        4.00M    1    2     x = torch.zeros(1024, 1024)",
         "       4.00M        0.00B    1    3     return x",
     ]
+
+
+# Process memory -------------------------------------------------------------------------
+
+
+def ram_lines():
+    kept = torch.ones(64 * MiB, dtype=torch.uint8)  # touched, so resident
+    spike = torch.ones(128 * MiB, dtype=torch.uint8).sum()
+    return kept, spike
+
+
+def profile_ram_lines() -> list[dict[str, int]]:
+    ram_lines()  # once first: torch's first operators load code and warm its allocator
+    with LineProfiler(ram_lines, device="ram") as prof:
+        ram_lines()
+    return [line.stats for line in prof.records()[0].lines[1:3]]
+
+
+def test_ram_columns_profile_the_process_resident_memory():
+    # In a fresh process: in this one, threads earlier tests started move the RSS.
+    kept, spike = call_in_fresh_process_without_gpu(profile_ram_lines)
+    slack = MiB  # the kernel counts resident pages per CPU, in batches
+    assert abs(kept["rss.delta"] - 64 * MiB) < slack
+    assert abs(spike["rss.delta"]) < slack
+    assert spike["rss.peak"] - kept["rss.current"] > 128 * MiB - slack
 
 
 # The decorators -----------------------------------------------------------------------

@@ -42,6 +42,7 @@ from torchmem.lines import (
 )
 from torchmem.meters import Meter, TensorMeter, Window, device_meter, meter
 from torchmem.restore import get_ref_free_exc_info, gpu_mem_restore, gpu_mem_restore_ctx
+from torchmem.tensors import MemReporter, TensorDiff, TensorRecord, TensorReport, diff
 from torchmem.trace import GPUMemTrace, MemTrace, gpu_mem_trace, mem_trace
 from torchmem.units import b2mb, parse_size, readable_size
 
@@ -53,15 +54,20 @@ __all__ = [
     "LineProfiler",
     "LineRecord",
     "LineReport",
+    "MemReporter",
     "MemTrace",
     "Meter",
+    "TensorDiff",
     "TensorMeter",
+    "TensorRecord",
+    "TensorReport",
     "TorchmemError",
     "Window",
     "__version__",
     "b2mb",
     "clear_global_line_profiler",
     "device_meter",
+    "diff",
     "get_ref_free_exc_info",
     "gpu_mem_allocate_mbs",
     "gpu_mem_get",

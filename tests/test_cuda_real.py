@@ -278,3 +278,24 @@ def test_line_profiler_on_a_real_gpu_is_exact():
     text = str(prof.display())
     assert "active_bytes reserved_bytes hits line code" in text
     assert 'b = (torch.zeros(2048, 1024, device="cuda") + 1).sum()' in text
+
+
+# The memory reporter on the real allocator ---------------------------------------------
+
+
+def test_reporter_on_a_real_gpu_rounds_to_blocks_and_compares_with_the_allocator():
+    clean()
+    linear = torch.nn.Linear(1024, 1024).cuda()
+    scanned = [torch.randn(3, device="cuda")]  # 12 bytes: one 512-byte block
+    device = f"cuda:{torch.cuda.current_device()}"
+    report = torchmem.MemReporter(linear, objects=scanned.copy).display(device=device)
+    assert [(r.name, r.nbytes) for r in report.records] == [
+        ("weight", 4 * MiB),
+        ("bias", 4096),
+        ("Tensor0", 512),
+    ]
+    assert report.allocated == {device: torch.cuda.memory_allocated(device)}
+    text = str(report)
+    assert f"Storage on {device}\n" in text
+    assert f"The allocated memory on {device}: " in text
+    del linear, scanned, report

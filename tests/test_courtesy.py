@@ -320,3 +320,12 @@ def test_an_unknown_device_is_named(keyword: str) -> None:
 def test_an_unknown_target_is_named() -> None:
     with pytest.raises(TypeError, match="str"):
         Courtesy("model")
+
+
+def test_tensor_subclasses_with_their_own_dispatch_are_skipped() -> None:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        fake = torch.ones(2)
+    plain = torch.ones(2)
+    assert Courtesy([fake, plain], device="cpu", to="cpu").yield_memory() == 8

@@ -299,3 +299,48 @@ def test_reporter_on_a_real_gpu_rounds_to_blocks_and_compares_with_the_allocator
     assert f"Storage on {device}\n" in text
     assert f"The allocated memory on {device}: " in text
     del linear, scanned, report
+
+
+# Courtesy -----------------------------------------------------------------------------------
+
+
+def test_courtesy_moves_a_model_off_the_gpu_and_back() -> None:
+    allocated_before, reserved_before = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.Linear(1024, 256)).cuda()
+    optimizer = torch.optim.Adam(model.parameters())
+    model(torch.randn(8, 256, device="cuda")).sum().backward()
+    optimizer.step()
+    loaded = torch.cuda.memory_allocated()
+    params = list(model.parameters())
+    state = [v for s in optimizer.state.values() for v in s.values() if v.is_cuda]
+    tensors = [*params, *(p.grad for p in params), *state]
+    values = [t.detach().cpu() for t in tensors]
+    weight = model[0].weight
+    device = torch.device("cuda", torch.cuda.current_device())
+
+    with torchmem.Courtesy(model, optimizer) as courtesy:
+        assert torch.cuda.memory_allocated() == allocated_before
+        assert torch.cuda.memory_reserved() == reserved_before, "the cache was emptied"
+        assert all(t.device == torch.device("cpu") for t in tensors)
+    assert torch.cuda.memory_allocated() == loaded
+    assert all(t.device == device for t in tensors)
+    assert all(torch.equal(t.cpu(), v) for t, v in zip(tensors, values, strict=True))
+    assert model[0].weight is weight and optimizer.state[weight]["exp_avg"] is state[0]
+    assert courtesy.restore() == 0
+    optimizer.zero_grad()
+    model(torch.randn(8, 256, device="cuda")).sum().backward()  # still trains on the GPU
+    optimizer.step()
+
+
+def test_courtesy_without_arguments_moves_every_cuda_tensor() -> None:
+    kept = torch.randn(256, device="cuda")
+    view = kept[128:]
+    values = kept.cpu()
+    loaded = torch.cuda.memory_allocated()
+    with torchmem.Courtesy():
+        assert kept.device == view.device == torch.device("cpu")
+        assert torch.cuda.memory_allocated() <= loaded - 1024
+    assert kept.is_cuda and view.data_ptr() == kept.data_ptr() + 512
+    assert torch.equal(kept.cpu(), values)
+    assert torch.cuda.memory_allocated() == loaded

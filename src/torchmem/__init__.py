@@ -7,6 +7,7 @@ try:
 except PackageNotFoundError:  # running from a source tree that was never installed
     __version__ = "0+unknown"
 
+from torchmem.courtesy import Courtesy
 from torchmem.devices import (
     GPUMemory,
     gpu_mem_allocate_mbs,
@@ -48,6 +49,7 @@ from torchmem.units import b2mb, parse_size, readable_size
 
 __all__ = [
     "DEFAULT_COLUMNS",
+    "Courtesy",
     "FunctionRecord",
     "GPUMemTrace",
     "GPUMemory",

@@ -41,6 +41,7 @@ from torchmem.lines import (
     valid_columns,
 )
 from torchmem.meters import Meter, TensorMeter, Window, device_meter, meter
+from torchmem.oom import OOMReport, explain_oom, is_oom, oom_guard
 from torchmem.restore import get_ref_free_exc_info, gpu_mem_restore, gpu_mem_restore_ctx
 from torchmem.trace import GPUMemTrace, MemTrace, gpu_mem_trace, mem_trace
 from torchmem.units import b2mb, parse_size, readable_size
@@ -55,6 +56,7 @@ __all__ = [
     "LineReport",
     "MemTrace",
     "Meter",
+    "OOMReport",
     "TensorMeter",
     "TorchmemError",
     "Window",
@@ -62,6 +64,7 @@ __all__ = [
     "b2mb",
     "clear_global_line_profiler",
     "device_meter",
+    "explain_oom",
     "get_ref_free_exc_info",
     "gpu_mem_allocate_mbs",
     "gpu_mem_get",
@@ -81,9 +84,11 @@ __all__ = [
     "gpu_mem_restore_ctx",
     "gpu_mem_trace",
     "gpu_with_max_free_mem",
+    "is_oom",
     "mem_trace",
     "meter",
     "nvml_handle",
+    "oom_guard",
     "parse_size",
     "preload_pytorch",
     "profile",

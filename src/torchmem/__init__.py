@@ -42,6 +42,7 @@ from torchmem.lines import (
     valid_columns,
 )
 from torchmem.meters import Meter, TensorMeter, Window, device_meter, meter
+from torchmem.oom import OOMReport, explain_oom, is_oom, oom_guard
 from torchmem.restore import get_ref_free_exc_info, gpu_mem_restore, gpu_mem_restore_ctx
 from torchmem.tensors import MemReporter, TensorDiff, TensorRecord, TensorReport, diff
 from torchmem.trace import GPUMemTrace, MemTrace, gpu_mem_trace, mem_trace
@@ -59,6 +60,7 @@ __all__ = [
     "MemReporter",
     "MemTrace",
     "Meter",
+    "OOMReport",
     "TensorDiff",
     "TensorMeter",
     "TensorRecord",
@@ -70,6 +72,7 @@ __all__ = [
     "clear_global_line_profiler",
     "device_meter",
     "diff",
+    "explain_oom",
     "get_ref_free_exc_info",
     "gpu_mem_allocate_mbs",
     "gpu_mem_get",
@@ -89,9 +92,11 @@ __all__ = [
     "gpu_mem_restore_ctx",
     "gpu_mem_trace",
     "gpu_with_max_free_mem",
+    "is_oom",
     "mem_trace",
     "meter",
     "nvml_handle",
+    "oom_guard",
     "parse_size",
     "preload_pytorch",
     "profile",

@@ -10,6 +10,9 @@ error itself is re-raised unchanged: same object, type, message and traceback li
 ``TORCHMEM_TB_CLEAR_FRAMES`` (or fastai's ``FASTAI_TB_CLEAR_FRAMES``) decides when:
 ``"0"`` never (``%debug`` keeps working, memory stays held), ``"1"`` on every error;
 unset, on out-of-memory errors, ``device-side assert triggered`` and Ctrl-C.
+
+An out-of-memory error also gets its explanation (:func:`torchmem.explain_oom`) printed
+to stderr, before the frames are cleared.
 """
 
 from __future__ import annotations
@@ -25,11 +28,10 @@ from collections.abc import Callable, Iterator
 from types import TracebackType
 from typing import Any, TypeVar
 
-import torch
+from torchmem.oom import explain_oom, is_oom
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-_OOM_MESSAGES = ("out of memory", "can't allocate memory")  # CUDA and MPS; the CPU allocator
 _DEVICE_ASSERT = "device-side assert triggered"
 _DEVICE_ASSERT_WARNING = (
     "When 'device-side assert triggered' error happens, it's not possible to recover and "
@@ -77,6 +79,8 @@ def _restoring(every_error: bool) -> Iterator[None]:
     try:
         yield
     except BaseException as exc:
+        if is_oom(exc):
+            print(explain_oom(exc), file=sys.stderr)
         if _should_clear(exc, every_error):
             _clear(exc.__traceback__)
         raise
@@ -92,11 +96,7 @@ def _should_clear(exc: BaseException, every_error: bool) -> bool:
         return True
     if setting == "1" or every_error:
         return True
-    if isinstance(exc, (torch.OutOfMemoryError, KeyboardInterrupt)):
-        return True
-    return isinstance(exc, (RuntimeError, MemoryError)) and any(
-        text in message for text in _OOM_MESSAGES
-    )
+    return isinstance(exc, KeyboardInterrupt) or is_oom(exc)
 
 
 def _clear(tb: TracebackType | None) -> None:

@@ -1,0 +1,156 @@
+"""Explaining an out-of-memory error: what was asked, what holds the memory, what to try.
+
+:func:`explain_oom` turns an out-of-memory error (CUDA, MPS or the CPU allocator) into an
+:class:`OOMReport`; :func:`oom_guard` prints that report when such an error passes
+through a block or a function, and re-raises the error unchanged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import sys
+from dataclasses import dataclass
+from typing import TextIO
+
+import psutil
+import torch
+
+from torchmem.units import parse_size, readable_size
+
+_OOM_MESSAGES = ("out of memory", "can't allocate memory")  # CUDA and MPS; the CPU allocator
+_TRIED = re.compile(r"[Tt]ried to allocate (\d+(?:\.\d+)?\s*[KMGTP]?i?B)")
+_TRIED_BYTES = re.compile(r"tried to allocate (\d+) bytes")
+_GPU = re.compile(r"GPU (\d+)")
+FRAGMENTED = 0.25
+"""Reserved-but-unallocated memory above this share of what the allocator reserved
+counts as fragmentation worth the expandable-segments hint."""
+
+
+def is_oom(exc: BaseException) -> bool:
+    """True for an out-of-memory error: ``torch.OutOfMemoryError``, or a ``RuntimeError`` /
+    ``MemoryError`` whose message says so (MPS, the CPU allocator)."""
+    if isinstance(exc, torch.OutOfMemoryError):
+        return True
+    message = str(exc)
+    return isinstance(exc, (RuntimeError, MemoryError)) and any(
+        text in message for text in _OOM_MESSAGES
+    )
+
+
+@dataclass(frozen=True)
+class OOMReport:
+    """What :func:`explain_oom` found. Sizes in bytes; ``None`` where not known."""
+
+    device: str
+    """The device that ran out: ``"cuda:0"``, ``"mps"``, ``"cpu"``."""
+    requested: int | None
+    """The bytes the failed allocation asked for, as the error message says."""
+    total: int | None
+    """The device's memory (for ``"cpu"``, the machine's RAM)."""
+    free: int | None
+    """What the device has free now, for all processes (for ``"cpu"``, available RAM)."""
+    allocated: int | None
+    """Bytes in tensors, by PyTorch's caching allocator (GPUs only)."""
+    reserved: int | None
+    """Bytes the caching allocator holds, in tensors or cached (GPUs only)."""
+    hints: tuple[str, ...]
+    """What to try, following from the numbers above."""
+
+    def __str__(self) -> str:
+        from torchmem.render.oom import oom_text
+
+        return oom_text(self)
+
+
+def explain_oom(exc: BaseException, device: str | torch.device | None = None) -> OOMReport:
+    """Explain an out-of-memory error: the size asked for, the device's total and free
+    memory, the allocator's allocated and reserved bytes, and what to try.
+
+    Args:
+        exc: the error, as caught.
+        device: the device that ran out; by default read from the message (``"GPU 1"``
+            means ``"cuda:1"``, the CPU allocator's message means ``"cpu"``).
+    """
+    message = str(exc)
+    name = str(device) if device is not None else _device_of(message)
+    requested = _requested(message)
+    total = free = allocated = reserved = None
+    kind = torch.device(name).type
+    if kind == "cuda" and torch.cuda.is_available():
+        index = torch.device(name).index or 0
+        free, total = torch.cuda.mem_get_info(index)
+        allocated = torch.cuda.memory_allocated(index)
+        reserved = torch.cuda.memory_reserved(index)
+    elif kind == "cpu":
+        ram = psutil.virtual_memory()
+        total, free = ram.total, ram.available
+    hints = _hints(name, requested, total, allocated, reserved)
+    return OOMReport(name, requested, total, free, allocated, reserved, hints)
+
+
+def _device_of(message: str) -> str:
+    if "CUDA" in message:
+        found = _GPU.search(message)
+        return f"cuda:{found.group(1) if found else 0}"
+    if "MPS" in message:
+        return "mps"
+    return "cpu"
+
+
+def _requested(message: str) -> int | None:
+    found = _TRIED_BYTES.search(message)
+    if found:
+        return int(found.group(1))
+    found = _TRIED.search(message)
+    return parse_size(found.group(1)) if found else None
+
+
+def _hints(
+    device: str,
+    requested: int | None,
+    total: int | None,
+    allocated: int | None,
+    reserved: int | None,
+) -> tuple[str, ...]:
+    hints = []
+    if requested is not None and total is not None and requested > total:
+        hints.append(
+            f"The request alone ({readable_size(requested)}) is larger than the whole device"
+            f" ({readable_size(total)}): a shape is probably wrong, or this work must be"
+            " split (smaller batch, chunks)."
+        )
+    if allocated is not None and reserved is not None and reserved > 0:
+        idle = reserved - allocated
+        if idle > FRAGMENTED * reserved:
+            hints.append(
+                f"{readable_size(idle)} is reserved but unallocated (fragmentation): set"
+                " PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True before starting Python."
+            )
+    hints.append("Use a smaller batch size.")
+    if torch.is_grad_enabled():
+        hints.append(
+            "Training: activation checkpointing (torch.utils.checkpoint) trades compute for"
+            " memory; mixed precision (torch.autocast) halves activations."
+        )
+    hints.append(
+        "Evaluating: run it under torch.no_grad() (or torch.inference_mode()), so no"
+        " autograd history is kept."
+    )
+    return tuple(hints)
+
+
+class oom_guard(contextlib.ContextDecorator):
+    """Print an :class:`OOMReport` (to `stream`, default stderr) when an out-of-memory
+    error passes through, then re-raise it unchanged. A context manager and a decorator:
+    ``with oom_guard(): ...`` or ``@oom_guard()``."""
+
+    def __init__(self, stream: TextIO | None = None) -> None:
+        self.stream = stream
+
+    def __enter__(self) -> oom_guard:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:  # type: ignore[no-untyped-def]
+        if exc is not None and is_oom(exc):
+            print(explain_oom(exc), file=self.stream or sys.stderr)

@@ -10,18 +10,22 @@ from __future__ import annotations
 import contextlib
 import re
 import sys
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TextIO
 
 import psutil
 import torch
 
+from torchmem.tensors import MemReporter, TensorRecord
 from torchmem.units import parse_size, readable_size
 
 _OOM_MESSAGES = ("out of memory", "can't allocate memory")  # CUDA and MPS; the CPU allocator
 _TRIED = re.compile(r"[Tt]ried to allocate (\d+(?:\.\d+)?\s*[KMGTP]?i?B)")
 _TRIED_BYTES = re.compile(r"tried to allocate (\d+) bytes")
 _GPU = re.compile(r"GPU (\d+)")
+LARGEST = 5
+"""How many of the largest live tensors a report lists."""
 FRAGMENTED = 0.25
 """Reserved-but-unallocated memory above this share of what the allocator reserved
 counts as fragmentation worth the expandable-segments hint."""
@@ -54,6 +58,12 @@ class OOMReport:
     """Bytes in tensors, by PyTorch's caching allocator (GPUs only)."""
     reserved: int | None
     """Bytes the caching allocator holds, in tensors or cached (GPUs only)."""
+    largest: tuple[TensorRecord, ...]
+    """The largest live tensors on the device, biggest first, named as
+    :class:`torchmem.MemReporter` names them; each storage once."""
+    history: int
+    """Bytes of live tensors on the device that carry autograd history (a ``grad_fn``):
+    they keep what backward needs alive."""
     hints: tuple[str, ...]
     """What to try, following from the numbers above."""
 
@@ -63,14 +73,27 @@ class OOMReport:
         return oom_text(self)
 
 
-def explain_oom(exc: BaseException, device: str | torch.device | None = None) -> OOMReport:
+def explain_oom(
+    exc: BaseException,
+    device: str | torch.device | None = None,
+    *,
+    model: torch.nn.Module | None = None,
+    objects: Callable[[], Iterable[object]] | None = None,
+) -> OOMReport:
     """Explain an out-of-memory error: the size asked for, the device's total and free
-    memory, the allocator's allocated and reserved bytes, and what to try.
+    memory, the allocator's allocated and reserved bytes, the largest live tensors, and
+    what to try.
+
+    Call it while the error's traceback is still alive (in the ``except`` block): the
+    tensors its frames hold are often the ones that filled the device.
 
     Args:
         exc: the error, as caught.
         device: the device that ran out; by default read from the message (``"GPU 1"``
             means ``"cuda:1"``, the CPU allocator's message means ``"cpu"``).
+        model: names the largest tensors after its parameters, as :class:`MemReporter`.
+        objects: where to look for live tensors, as for :class:`MemReporter`; default
+            everything the garbage collector tracks.
     """
     message = str(exc)
     name = str(device) if device is not None else _device_of(message)
@@ -85,8 +108,17 @@ def explain_oom(exc: BaseException, device: str | torch.device | None = None) ->
     elif kind == "cpu":
         ram = psutil.virtual_memory()
         total, free = ram.total, ram.available
-    hints = _hints(name, requested, total, allocated, reserved)
-    return OOMReport(name, requested, total, free, allocated, reserved, hints)
+    records = MemReporter(model, objects=objects).snapshot(name)
+    counted = [r for r in records if r.nbytes]  # a view's bytes are its base's
+    largest = tuple(sorted(counted, key=lambda r: r.nbytes, reverse=True)[:LARGEST])
+    history = sum(r.nbytes for r in records if _has_history(r))
+    hints = _hints(requested, total, allocated, reserved, history)
+    return OOMReport(name, requested, total, free, allocated, reserved, largest, history, hints)
+
+
+def _has_history(record: TensorRecord) -> bool:
+    tensor = record.tensor() if record.tensor is not None else None
+    return tensor is not None and tensor.grad_fn is not None
 
 
 def _device_of(message: str) -> str:
@@ -107,11 +139,11 @@ def _requested(message: str) -> int | None:
 
 
 def _hints(
-    device: str,
     requested: int | None,
     total: int | None,
     allocated: int | None,
     reserved: int | None,
+    history: int,
 ) -> tuple[str, ...]:
     hints = []
     if requested is not None and total is not None and requested > total:
@@ -128,29 +160,29 @@ def _hints(
                 " PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True before starting Python."
             )
     hints.append("Use a smaller batch size.")
-    if torch.is_grad_enabled():
+    if history:
         hints.append(
-            "Training: activation checkpointing (torch.utils.checkpoint) trades compute for"
-            " memory; mixed precision (torch.autocast) halves activations."
+            f"{readable_size(history)} is in tensors with autograd history. Evaluating? Run"
+            " it under torch.no_grad() (or torch.inference_mode()). Training? Activation"
+            " checkpointing (torch.utils.checkpoint) or mixed precision (torch.autocast)"
+            " keeps less for backward."
         )
-    hints.append(
-        "Evaluating: run it under torch.no_grad() (or torch.inference_mode()), so no"
-        " autograd history is kept."
-    )
     return tuple(hints)
 
 
 class oom_guard(contextlib.ContextDecorator):
     """Print an :class:`OOMReport` (to `stream`, default stderr) when an out-of-memory
     error passes through, then re-raise it unchanged. A context manager and a decorator:
-    ``with oom_guard(): ...`` or ``@oom_guard()``."""
+    ``with oom_guard(): ...`` or ``@oom_guard()``; `model` names the largest tensors
+    after its parameters."""
 
-    def __init__(self, stream: TextIO | None = None) -> None:
+    def __init__(self, stream: TextIO | None = None, *, model: torch.nn.Module | None = None):
         self.stream = stream
+        self.model = model
 
     def __enter__(self) -> oom_guard:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:  # type: ignore[no-untyped-def]
         if exc is not None and is_oom(exc):
-            print(explain_oom(exc), file=self.stream or sys.stderr)
+            print(explain_oom(exc, model=self.model), file=self.stream or sys.stderr)

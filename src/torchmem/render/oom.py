@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from torchmem.oom import OOMReport
+from torchmem.render.tensors import ROW, size_text
 from torchmem.units import readable_size
 
 
@@ -21,6 +22,12 @@ def oom_text(report: OOMReport) -> str:
             f"PyTorch: {readable_size(report.allocated)} in tensors,"
             f" {readable_size(report.reserved)} reserved ({readable_size(idle)} reserved but"
             " unallocated)."
+        )
+    if report.largest:
+        lines.append(f"Largest live tensors on {report.device}:")
+        lines.extend(
+            ROW.format(f"  {r.name}", size_text(r.shape), readable_size(r.nbytes))
+            for r in report.largest
         )
     lines.append("What to try:")
     lines.extend(f"- {hint}" for hint in report.hints)

@@ -42,6 +42,7 @@ from torchmem.lines import (
     valid_columns,
 )
 from torchmem.meters import Meter, TensorMeter, Window, device_meter, meter
+from torchmem.notebook import load_ipython_extension
 from torchmem.oom import OOMReport, explain_oom, is_oom, oom_guard
 from torchmem.restore import get_ref_free_exc_info, gpu_mem_restore, gpu_mem_restore_ctx
 from torchmem.tensors import MemReporter, TensorDiff, TensorRecord, TensorReport, diff
@@ -93,6 +94,7 @@ __all__ = [
     "gpu_mem_trace",
     "gpu_with_max_free_mem",
     "is_oom",
+    "load_ipython_extension",
     "mem_trace",
     "meter",
     "nvml_handle",

@@ -1,0 +1,193 @@
+"""``%load_ext torchmem`` and ``%mlrun`` / ``%%mlrun`` in a real IPython shell, on CPU
+tensors whatever the machine has."""
+
+from __future__ import annotations
+
+import gc
+import sys
+from collections.abc import Iterator
+
+import pytest
+from IPython.core.interactiveshell import InteractiveShell
+
+from standins import hide_gpus, isolated
+from torchmem import LineProfiler, LineReport
+
+SETUP = """\
+import torch
+
+def allocate():
+    a = torch.zeros(1024, 1024)
+    return a
+"""
+
+REPORT = f"""\
+## allocate
+
+active_bytes active_bytes hits line code
+         all          all
+        peak        delta
+{"":34}3 def allocate():
+       4.00M        4.00M    1    4     a = torch.zeros(1024, 1024)
+       4.00M        0.00B    1    5     return a
+"""
+
+
+@pytest.fixture
+def shell(monkeypatch: pytest.MonkeyPatch) -> Iterator[InteractiveShell]:
+    """A fresh shell with torchmem loaded and `allocate` defined; no GPU visible, so the
+    profiler measures CPU tensors, from 0 bytes."""
+    hide_gpus(monkeypatch)
+    with isolated(monkeypatch):
+        ipython = InteractiveShell.instance()
+        try:
+            ipython.run_line_magic("load_ext", "torchmem")
+            run(ipython, SETUP)
+            yield ipython
+        finally:
+            for name in ("last_type", "last_value", "last_traceback", "last_exc"):
+                if hasattr(sys, name):
+                    setattr(sys, name, None)
+            InteractiveShell.clear_instance()
+            gc.collect()
+
+
+def run(ipython: InteractiveShell, code: str) -> object:
+    """Run a cell; its result, raising what it raised."""
+    result = ipython.run_cell(code, store_history=True)
+    result.raise_error()
+    return result.result
+
+
+def usage_error(ipython: InteractiveShell, code: str, capsys: pytest.CaptureFixture) -> str:
+    """Run a cell that fails with a UsageError; what IPython printed."""
+    capsys.readouterr()
+    result = ipython.run_cell(code, store_history=True)
+    assert type(result.error_in_exec).__name__ == "UsageError"
+    return capsys.readouterr().err
+
+
+def test_line_mode_returns_the_report(shell):
+    report = run(shell, "%mlrun -f allocate allocate()")
+    assert isinstance(report, LineReport)
+    assert str(report) == REPORT
+    assert "<table" in report._repr_html_()
+
+
+def test_cell_mode_runs_the_cell_in_the_user_namespace(shell):
+    report = run(shell, "%%mlrun -f allocate\nkept = allocate()\nkept = allocate()\n")
+    lines = str(report).splitlines()
+    assert lines[6:] == [
+        "       8.00M        8.00M    2    4     a = torch.zeros(1024, 1024)",
+        "       8.00M        0.00B    2    5     return a",
+    ]
+    assert run(shell, "tuple(kept.shape)") == (1024, 1024)
+
+
+def test_the_statement_is_run_as_typed(shell):
+    run(shell, "def make(n, text):\n    return torch.zeros(n, 256), text\n")
+    run(shell, '%mlrun -f make pair = make(4 * 1024 - 1 + 1, "a  -q  b")')
+    assert run(shell, "pair[1]") == "a  -q  b"
+    assert run(shell, "pair[0].shape[0]") == 4096
+
+
+def test_columns_follow_the_defaults(shell):
+    report = run(shell, "%mlrun -f allocate -c active_bytes.all.allocated allocate()")
+    assert report.columns == (
+        "active_bytes.all.peak",
+        "active_bytes.all.delta",
+        "active_bytes.all.allocated",
+    )
+
+
+def test_return_profiler(shell):
+    profiler = run(shell, "%mlrun -r -f allocate allocate()")
+    assert isinstance(profiler, LineProfiler)
+    assert str(profiler.display()) == REPORT
+
+
+def test_quiet_shows_nothing(shell, capsys):
+    capsys.readouterr()
+    assert run(shell, "%mlrun -q -f allocate allocate()") is None
+    assert capsys.readouterr().out == ""
+    assert isinstance(run(shell, "%mlrun -q -r -f allocate allocate()"), LineProfiler)
+
+
+def test_dump_profile_uses_the_chosen_columns(shell, tmp_path):
+    path = tmp_path / "profile.txt"
+    report = run(
+        shell,
+        f"%mlrun -q -T {path} -c active_bytes.all.allocated -D -f allocate allocate()",
+    )
+    assert report is None
+    assert path.read_text() == (
+        "## allocate\n"
+        "\n"
+        "active_bytes hits line code\n"
+        "         all\n"
+        "   allocated\n"
+        f"{'':21}3 def allocate():\n"
+        "       4.00M    1    4     a = torch.zeros(1024, 1024)\n"
+        "       0.00B    1    5     return a\n"
+    )
+
+
+def test_device_option(shell):
+    report = run(shell, "%mlrun -d cpu -f allocate allocate()")
+    assert str(report) == REPORT
+
+
+def test_unknown_function(shell, capsys):
+    err = usage_error(shell, "%mlrun -f missing allocate()", capsys)
+    assert "UsageError: Could not find function 'missing'.\n" in err
+    assert "NameError: name 'missing' is not defined" in err
+
+
+def test_unknown_column(shell, capsys):
+    err = usage_error(shell, "%mlrun -f allocate -c nope allocate()", capsys)
+    assert "UsageError: unknown column(s) 'nope' for device 'cpu'; valid columns:" in err
+    assert run(shell, "'a' in dir()") is False  # nothing ran
+
+
+def test_no_default_columns_needs_columns(shell, capsys):
+    err = usage_error(shell, "%mlrun -D -f allocate allocate()", capsys)
+    assert "-c COL" in err
+
+
+def test_nothing_to_run_or_to_profile(shell, capsys):
+    assert "Nothing to run" in usage_error(shell, "%mlrun -f allocate", capsys)
+    assert "-f FUNC" in usage_error(shell, "%mlrun allocate()", capsys)
+
+
+def test_an_error_in_the_code_propagates(shell):
+    result = shell.run_cell("%mlrun -f allocate 1 / 0")
+    assert isinstance(result.error_in_exec, ZeroDivisionError)
+
+
+def test_help_text(shell):
+    doc = shell.find_line_magic("mlrun").__doc__
+    assert "%mlrun [-f FUNC] [-c COLS] [-D] [-r] [-g GPU_ID]" in doc
+    assert "Don't print out profile results" in doc
+    assert "Hide the default columns of active_bytes.all.peak" in doc
+
+
+def test_import_alone_registers_no_magic():
+    import torchmem  # noqa: F401
+
+    ipython = InteractiveShell.instance()
+    try:
+        assert ipython.find_magic("mlrun") is None
+    finally:
+        InteractiveShell.clear_instance()
+
+
+def test_register_returns_a_handle(shell):
+    from torchmem.notebook import magics
+
+    shell.magics_manager.magics["line"].pop("mlrun")
+    shell.magics_manager.magics["cell"].pop("mlrun")
+    with magics.register(shell) as handle:
+        assert shell.find_line_magic("mlrun") is not None
+        assert shell.find_cell_magic("mlrun") is not None
+    assert shell.find_magic("mlrun") is None
+    handle.remove()  # twice is harmless

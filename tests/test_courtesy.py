@@ -36,9 +36,12 @@ def trained() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     return model, optimizer
 
 
-def snapshot(tensors: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
-    """Each tensor with a copy of its values and its storage now."""
-    return [(t, t.detach().clone(), storage_of(t)) for t in tensors]
+def snapshot(
+    tensors: list[torch.Tensor],
+) -> list[tuple[torch.Tensor, torch.Tensor, torch.UntypedStorage]]:
+    """Each tensor with a copy of its values and its storage now (held, so that no new
+    storage can take its address)."""
+    return [(t, t.detach().clone(), t.untyped_storage()) for t in tensors]
 
 
 def model_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -62,11 +65,11 @@ def test_model_grads_and_optimizer_state_move_in_place_and_back() -> None:
 
     assert moved == sum(t.untyped_storage().nbytes() for t, _, _ in before)
     for tensor, values, storage in before:
-        assert storage_of(tensor) != storage, "every storage is a fresh copy while yielded"
+        assert storage_of(tensor) != storage._cdata, "every storage is a fresh copy while yielded"
         assert torch.equal(tensor, values)
     assert courtesy.restore() == moved
     for tensor, values, storage in before:
-        assert storage_of(tensor) != storage
+        assert storage_of(tensor) != storage._cdata
         assert torch.equal(tensor, values)
         assert tensor.device == torch.device("cpu")
     assert model[0].weight is weight and weight.grad is grad
@@ -266,9 +269,9 @@ def test_yield_twice_moves_each_tensor_once() -> None:
 def test_the_context_manager_restores_on_an_exception_and_lets_it_through() -> None:
     tensor = torch.arange(3.0)
     error = KeyError("boom")
-    storage = storage_of(tensor)
+    storage = tensor.untyped_storage()  # held, so that no new storage takes its address
     with pytest.raises(KeyError) as raised, Courtesy(tensor, device="cpu", to="cpu") as c:
-        assert storage_of(tensor) != storage
+        assert storage_of(tensor) != storage._cdata
         raise error
     assert raised.value is error and raised.value.__context__ is None
     assert c.restore() == 0, "already restored"

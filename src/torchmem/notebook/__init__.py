@@ -1,0 +1,1 @@
+"""Notebook support: the IPython extension, its magics and the per-cell memory logger."""

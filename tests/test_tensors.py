@@ -242,10 +242,10 @@ def test_a_tensor_without_storage_is_listed_with_a_note(
     MemReporter(objects=only(opaque, dense)).report()
     assert capsys.readouterr().out == HEADER + block(
         "cpu",
-        "Tensor0                                               (2, 2)         ?\n"
-        "Tensor1                                                 (4,)    16.00B\n",
+        "Tensor0                                                 (4,)    16.00B\n"
+        "Tensor1                                               (2, 2)         ?\n",
         "Total Tensors: 4 \tUsed Memory: 16.00B",
-        "Tensor0: not counted, no storage: NotImplementedError: Cannot access storage of"
+        "Tensor1: not counted, no storage: NotImplementedError: Cannot access storage of"
         " OpaqueTensorImpl\n",
     )
 
@@ -255,11 +255,11 @@ def test_names_are_fresh_in_each_report() -> None:
     first = MemReporter(objects=only(a, b)).snapshot()
     del a
     reporter = MemReporter(objects=only(b, c := torch.zeros(3)))
-    assert [(r.name, r.shape) for r in first] == [("Tensor0", (1,)), ("Tensor1", (2,))]
-    for _ in range(2):
+    assert [(r.name, r.shape) for r in first] == [("Tensor0", (2,)), ("Tensor1", (1,))]
+    for _ in range(2):  # largest first, numbered afresh
         assert [(r.name, r.shape) for r in reporter.snapshot()] == [
-            ("Tensor0", (2,)),
-            ("Tensor1", (3,)),
+            ("Tensor0", (3,)),
+            ("Tensor1", (2,)),
         ]
     del c
 
@@ -272,11 +272,11 @@ def test_diff_lists_what_appeared_and_disappeared() -> None:
     tensors[1] = torch.zeros(1024, 1024)
     del dropped
     difference = reporter.diff(before)
-    assert [r.name for r in difference.appeared] == ["Tensor1"]
-    assert [r.name for r in difference.disappeared] == ["Tensor1"]
+    assert [r.name for r in difference.appeared] == ["Tensor0"]
+    assert [r.name for r in difference.disappeared] == ["Tensor0"]
     assert str(difference) == (
-        HEADER + RULE + "+ Tensor1 [cpu]                                 (1024, 1024)     4.00M\n"
-        "- Tensor1 [cpu]                                       (256,)     1.00K\n"
+        HEADER + RULE + "+ Tensor0 [cpu]                                 (1024, 1024)     4.00M\n"
+        "- Tensor0 [cpu]                                       (256,)     1.00K\n"
         + RULE
         + "Appeared: 1 (4.00M) \tDisappeared: 1 (1.00K)\n"
         + RULE

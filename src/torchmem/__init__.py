@@ -43,6 +43,7 @@ from torchmem.lines import (
 )
 from torchmem.meters import Meter, TensorMeter, Window, device_meter, meter
 from torchmem.notebook import load_ipython_extension
+from torchmem.notebook.cells import CellLogger, CellRecord, IPyGPULogger
 from torchmem.oom import OOMReport, explain_oom, is_oom, oom_guard
 from torchmem.restore import get_ref_free_exc_info, gpu_mem_restore, gpu_mem_restore_ctx
 from torchmem.tensors import MemReporter, TensorDiff, TensorRecord, TensorReport, diff
@@ -51,10 +52,13 @@ from torchmem.units import b2mb, parse_size, readable_size
 
 __all__ = [
     "DEFAULT_COLUMNS",
+    "CellLogger",
+    "CellRecord",
     "Courtesy",
     "FunctionRecord",
     "GPUMemTrace",
     "GPUMemory",
+    "IPyGPULogger",
     "LineProfiler",
     "LineRecord",
     "LineReport",

@@ -249,17 +249,24 @@ def _collect(reporter: MemReporter, device: str | int | torch.device | None) -> 
                     if isinstance(value, torch.Tensor):
                         found.add(value, f"{prefix}.{name}.{key}")
     objects = reporter.objects()
-    for obj in objects:
-        # type(), not isinstance(): isinstance() asks the object its __class__, which a
-        # dead weak proxy answers with ReferenceError and a deprecated alias with a warning.
-        try:
-            if issubclass(type(obj), torch.Tensor):
-                found.add(obj, None)
-        except Exception:  # a tensor that cannot be read at all is left out
-            continue
+    # type(), not isinstance(): isinstance() asks the object its __class__, which a dead
+    # weak proxy answers with ReferenceError and a deprecated alias with a warning.
+    others = [obj for obj in objects if issubclass(type(obj), torch.Tensor)]
     del objects
+    # Largest first: the garbage collector's order changes with whatever ran before.
+    others.sort(key=_storage_bytes, reverse=True)
+    for tensor in others:
+        found.add(tensor, None)
+    del others
     wanted = None if device is None else parse_device(device)
     return found.records(wanted)
+
+
+def _storage_bytes(tensor: torch.Tensor) -> int:
+    try:
+        return tensor.untyped_storage().nbytes()
+    except Exception:  # sparse, mkldnn, subclasses without storage: sized later, if at all
+        return 0
 
 
 class _Found:

@@ -1,0 +1,349 @@
+"""The per-cell memory logger: after every notebook cell, what it used and peaked.
+
+``CellLogger`` (also ``IPyGPULogger``, ipygpulogger's name) opens a peak window on each of
+two meters when a cell starts and reads it when the cell ends:
+
+- general RAM: this process's resident memory, ``meter("ram")``; exact peaks on Linux
+  (the kernel's ``VmHWM``);
+- GPU: PyTorch's caching allocator on the current GPU, ``meter("cuda")``, exact peaks,
+  with the whole device's used memory (all processes, ``device_meter()``) as the total.
+  Where there is no GPU, CPU tensors, ``meter("cpu")``, exact to the byte, and the row
+  says so.
+
+IPython is imported only when a logger starts without being given a shell.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import time
+from collections import namedtuple
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+import torch
+
+from torchmem.errors import TorchmemError
+from torchmem.meters import Meter, Window, device_meter, meter
+from torchmem.units import b2mb
+
+Data = namedtuple(
+    "Data",
+    [
+        "gen_mem_used_delta",
+        "gen_mem_peaked",
+        "gen_mem_used",
+        "gpu_mem_used_delta",
+        "gpu_mem_peaked",
+        "gpu_mem_used",
+        "time_delta",
+    ],
+)
+Data.__doc__ = """The last cell's figures as ipygpulogger gives them: memory in whole MB
+(MiB, truncated like ``b2mb``), ``time_delta`` in seconds. Unpacks into 7 values."""
+
+
+@dataclass(frozen=True)
+class CellRecord:
+    """What one cell used, in bytes and seconds."""
+
+    execution_count: int | None
+    """The cell's number, ``In [n]``; None for a cell IPython gave no number."""
+    gen_used_delta: int
+    """Process resident memory (RSS) after the cell minus before it, bytes."""
+    gen_peaked: int
+    """How far RSS rose during the cell above both its start and its end, bytes; never
+    negative."""
+    gen_used: int
+    """RSS after the cell, bytes."""
+    gpu_used_delta: int
+    """Bytes of GPU tensors (the caching allocator's allocated bytes) after the cell minus
+    before it; CPU tensor bytes where :attr:`gpu_device` is ``"cpu"``."""
+    gpu_peaked: int
+    """How far those bytes rose during the cell above both its start and its end."""
+    gpu_used: int
+    """Used memory of the whole GPU after the cell, every process included (what
+    ``nvidia-smi`` shows), bytes; bytes of live CPU tensors where there is no GPU."""
+    time_delta: float
+    """Seconds the cell ran."""
+    gpu_device: str
+    """What the second row measured: ``"cuda:0"``, ... or ``"cpu"`` (CPU tensors)."""
+    failed: bool = False
+    """True when the cell raised (or did not compile)."""
+
+    def data(self) -> Data:
+        """These figures in ipygpulogger's units: whole MB and seconds."""
+        return Data(
+            b2mb(self.gen_used_delta),
+            b2mb(self.gen_peaked),
+            b2mb(self.gen_used),
+            b2mb(self.gpu_used_delta),
+            b2mb(self.gpu_peaked),
+            b2mb(self.gpu_used),
+            self.time_delta,
+        )
+
+
+class CellLogger:
+    """Report the memory every IPython/Jupyter cell used and peaked, and how long it ran.
+
+    After each cell it prints ipygpulogger's report, in whole MB::
+
+        RAM: Consumed Peaked  Used Total  in 0.000s (In [4])
+        Gen:       45      0    170 MB
+        GPU:     2467      0   1465 MB
+
+    *Consumed* is memory in use after the cell minus before it; *Peaked* how far use
+    rose during the cell above both (the temporary memory the cell needed beyond what it
+    kept, never negative); *Used Total* the use after the cell. ``Gen`` is this process's
+    RAM; ``GPU`` PyTorch's tensors on the current GPU, with the whole device's use as the
+    total; without a GPU the row is ``CPU tensors``. Peaks are exact, including a
+    temporary allocated and freed inside one call.
+
+    Args:
+        compact: print one line per cell instead of three.
+        gc_collect: run ``gc.collect()`` before each reading, so memory only waiting for
+            the garbage collector does not count. Turn it off when looking for reference
+            cycles that hold memory.
+        shell: the IPython shell to log; default the running one (``get_ipython()``).
+
+    Use :meth:`start` and :meth:`stop` (each returns the logger, and both are harmless
+    to repeat), or ``with CellLogger(): ...``. A cell that starts the logger is reported
+    from that point on; a cell that stops it is not reported. ``%%capture`` cells and
+    other cells that run cells inside them get one report.
+    """
+
+    def __init__(self, compact: bool = False, gc_collect: bool = True, shell: Any = None) -> None:
+        self.compact = compact
+        """Print one line per cell instead of three."""
+        self.gc_collect = gc_collect
+        """Run ``gc.collect()`` before each reading."""
+        self.shell = shell
+        """The shell logged (None until :meth:`start` when not given)."""
+        self.history: list[CellRecord] = []
+        """Every reported cell's record, oldest first."""
+        self._registered = False
+        self._depth = 0
+        self._windows: tuple[Window, Window] | None = None
+        self._meters: tuple[Meter, Meter, Any] | None = None
+        self._started_at = 0.0
+
+    # Starting and stopping ------------------------------------------------------------
+
+    @property
+    def running(self) -> bool:
+        """True between :meth:`start` and :meth:`stop`."""
+        return self._registered
+
+    def start(self) -> CellLogger:
+        """Start logging (from now on, when called inside a cell); return the logger."""
+        if self._registered:
+            return self
+        if self.shell is None:
+            from IPython import get_ipython
+
+            self.shell = get_ipython()
+            if self.shell is None:
+                raise TorchmemError(
+                    "no IPython shell is running: start the cell logger in IPython or "
+                    "Jupyter, or pass shell=..."
+                )
+        self._meters = _choose_meters()
+        self.shell.events.register("pre_run_cell", self._pre_run_cell)
+        self.shell.events.register("post_run_cell", self._post_run_cell)
+        self._registered = True
+        self._depth = 0
+        self._open()
+        return self
+
+    def stop(self) -> CellLogger:
+        """Stop logging, without a report for the cell that stops it; return the logger."""
+        if not self._registered:
+            return self
+        for event, callback in (
+            ("pre_run_cell", self._pre_run_cell),
+            ("post_run_cell", self._post_run_cell),
+        ):
+            with contextlib.suppress(ValueError):  # someone removed it already
+                self.shell.events.unregister(event, callback)
+        self._registered = False
+        self._depth = 0
+        self._close()
+        return self
+
+    def __enter__(self) -> CellLogger:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    # Results --------------------------------------------------------------------------
+
+    @property
+    def data(self) -> Data:
+        """The last reported cell's figures, ipygpulogger's ``Data`` namedtuple (whole MB
+        and seconds); all zeros before the first report. Read inside a cell, it is the
+        previous cell's."""
+        if not self.history:
+            return Data(0, 0, 0, 0, 0, 0, 0.0)
+        return self.history[-1].data()
+
+    def report(self, record: CellRecord | None = None) -> str:
+        """The text printed for `record` (default the last cell), full or compact."""
+        from torchmem.render.cells import cell_compact, cell_text
+
+        record = record if record is not None else self._last()
+        return cell_compact(record) if self.compact else cell_text(record)
+
+    def to_dataframe(self) -> Any:
+        """:attr:`history` as a ``pandas.DataFrame``, one row per cell, bytes and seconds
+        (pandas must be installed)."""
+        from torchmem.render.cells import cells_dataframe
+
+        return cells_dataframe(self.history)
+
+    def plot(self) -> Any:
+        """A matplotlib ``Figure`` of memory per cell: used after each cell and the peak
+        during it, general RAM above, GPU (or CPU tensors) below, in MiB. For the GPU row
+        the peak is drawn above the whole device's use. Needs matplotlib."""
+        from torchmem.render.cells import cells_figure
+
+        return cells_figure(self.history)
+
+    def _last(self) -> CellRecord:
+        if not self.history:
+            raise TorchmemError("no cell has been logged yet")
+        return self.history[-1]
+
+    # IPython events -------------------------------------------------------------------
+
+    def _pre_run_cell(self, info: Any = None) -> None:
+        """IPython's ``pre_run_cell``; `info` (IPython >= 7) is not needed."""
+        self._depth += 1
+        if self._depth == 1:
+            self._open()
+
+    def _post_run_cell(self, result: Any = None) -> None:
+        """IPython's ``post_run_cell``: report the cell, once for the outermost one."""
+        if self._depth > 0:
+            self._depth -= 1
+            if self._depth > 0:  # a cell run inside a cell (%%capture): wait for the outer
+                return
+        if self._windows is None:  # an empty cell: IPython ran nothing
+            return
+        record = self._read(result)
+        self._close()
+        self.history.append(record)
+        print(self.report(record))
+
+    # Measuring ------------------------------------------------------------------------
+
+    def _open(self) -> None:
+        self._close()
+        if self.gc_collect:
+            gc.collect()
+        assert self._meters is not None
+        gen, gpu, _ = self._meters
+        self._windows = (gen.window(), gpu.window())
+        self._started_at = time.perf_counter()
+
+    def _close(self) -> None:
+        if self._windows is not None:
+            for window in self._windows:
+                window.close()
+            self._windows = None
+
+    def _read(self, result: Any) -> CellRecord:
+        elapsed = time.perf_counter() - self._started_at
+        if self.gc_collect:
+            gc.collect()
+        assert self._windows is not None and self._meters is not None
+        gen_meter, gpu_meter, whole_gpu = self._meters
+        gen = _figures(gen_meter, self._windows[0])
+        gpu = _figures(gpu_meter, self._windows[1])
+        gpu_used = gpu[2] if whole_gpu is None else whole_gpu.used()
+        failed = bool(
+            result is not None
+            and (
+                getattr(result, "error_before_exec", None) is not None
+                or getattr(result, "error_in_exec", None) is not None
+            )
+        )
+        return CellRecord(
+            execution_count=getattr(result, "execution_count", None),
+            gen_used_delta=gen[0],
+            gen_peaked=gen[1],
+            gen_used=gen[2],
+            gpu_used_delta=gpu[0],
+            gpu_peaked=gpu[1],
+            gpu_used=gpu_used,
+            time_delta=elapsed,
+            gpu_device=gpu_meter.device,
+            failed=failed,
+        )
+
+    def __repr__(self) -> str:
+        state = "running" if self._registered else "stopped"
+        return f"<{type(self).__name__} {state}, {len(self.history)} cells logged>"
+
+
+IPyGPULogger = CellLogger
+
+
+def _choose_meters() -> tuple[Meter, Meter, Any]:
+    """Process RAM; the current GPU's allocator and the whole device, or CPU tensors."""
+    if torch.cuda.is_available():
+        index = torch.cuda.current_device()
+        return meter("ram"), meter(index), device_meter(index)
+    return meter("ram"), meter("cpu"), None
+
+
+def _figures(pool: Meter, window: Window) -> tuple[int, int, int]:
+    """(used delta, peaked above start and end, used now), bytes."""
+    end = pool.used()
+    peak = max(window.peak(), end)
+    return end - window.start, max(0, peak - max(window.start, end)), end
+
+
+def register(ipython: Any) -> CellLogger:
+    """Define the line magic ``%memlog on|off|compact`` on `ipython` and return the logger
+    it drives (one per shell: calling this again returns the same one).
+
+    ``%memlog on`` starts the three-line report after every cell, ``%memlog compact`` the
+    one-line report, ``%memlog off`` stops; ``%memlog`` alone says which is in force.
+    """
+    from IPython.core.error import UsageError
+
+    existing = ipython.magics_manager.magics["line"].get("memlog")
+    logger = getattr(existing, "logger", None)
+    if isinstance(logger, CellLogger):
+        return logger
+    logger = CellLogger(shell=ipython)
+
+    def memlog(line: str) -> None:
+        """Log memory per cell: ``%memlog on``, ``%memlog compact``, ``%memlog off``."""
+        word = line.strip().lower()
+        if word == "on":
+            logger.compact = False
+            logger.start()
+        elif word == "compact":
+            logger.compact = True
+            logger.start()
+        elif word == "off":
+            logger.stop()
+        elif word == "":
+            mode = "compact" if logger.compact else "on"
+            print(f"memlog: {mode if logger.running else 'off'}")
+        else:
+            raise UsageError(f"%memlog {line.strip()!r}: expected on, off or compact")
+
+    memlog.logger = logger  # type: ignore[attr-defined]
+    ipython.register_magic_function(memlog, "line", "memlog")
+    return logger

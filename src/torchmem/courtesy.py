@@ -18,6 +18,7 @@ import torch
 
 from torchmem.meters import _index
 from torchmem.meters.base import parse_device
+from torchmem.tensors import tensors_in
 
 
 class Courtesy:
@@ -165,12 +166,8 @@ class Courtesy:
         if self.targets:
             _collect(self.targets, found, strict=True)
         else:
-            for obj in gc.get_objects():
-                # type(), not isinstance(): isinstance reads ``__class__``, which a dead
-                # weak proxy answers with ReferenceError (pytorch_memlab #40) and some
-                # deprecated objects with a warning.
-                if issubclass(type(obj), torch.Tensor):
-                    _add(obj, found)
+            for tensor in tensors_in(gc.get_objects()):
+                _add(tensor, found)
         return [t for t in found.values() if _same_device(t.device, source)]
 
 

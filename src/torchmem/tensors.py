@@ -248,11 +248,7 @@ def _collect(reporter: MemReporter, device: str | int | torch.device | None) -> 
                 for key, value in optimizer.state.get(param, {}).items():
                     if isinstance(value, torch.Tensor):
                         found.add(value, f"{prefix}.{name}.{key}")
-    objects = reporter.objects()
-    # type(), not isinstance(): isinstance() asks the object its __class__, which a dead
-    # weak proxy answers with ReferenceError and a deprecated alias with a warning.
-    others = [obj for obj in objects if issubclass(type(obj), torch.Tensor)]
-    del objects
+    others = tensors_in(reporter.objects())
     # Largest first: the garbage collector's order changes with whatever ran before.
     others.sort(key=_storage_bytes, reverse=True)
     for tensor in others:
@@ -260,6 +256,14 @@ def _collect(reporter: MemReporter, device: str | int | torch.device | None) -> 
     del others
     wanted = None if device is None else parse_device(device)
     return found.records(wanted)
+
+
+def tensors_in(objects: Iterable[object]) -> list[torch.Tensor]:
+    """The tensors among `objects` (e.g. ``gc.get_objects()``), subclasses included."""
+    # type(), not isinstance(): isinstance() asks the object its __class__, which a dead
+    # weak proxy answers with ReferenceError (pytorch_memlab #40) and a deprecated alias
+    # with a warning.
+    return [obj for obj in objects if issubclass(type(obj), torch.Tensor)]
 
 
 def _storage_bytes(tensor: torch.Tensor) -> int:

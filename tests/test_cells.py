@@ -156,6 +156,21 @@ def test_time_is_the_cells_run_time(ipython, logger, capsys):
     assert 0.05 <= logger.history[-1].time_delta < 5
 
 
+def test_one_garbage_collection_per_cell(ipython, logger, capsys, monkeypatch):
+    # A full collection costs ~75 ms with torch loaded: the cell's reading needs one, the
+    # next cell's start can reuse it.
+    calls = []
+    monkeypatch.setattr(gc, "collect", lambda *args: calls.append(args) or 0)
+    logger.start()
+    assert len(calls) == 1
+    for cell in ("a = 1", "b = 2", "c = 3"):
+        run(ipython, cell, capsys)
+    assert len(calls) == 1 + 3
+    logger.gc_collect = False
+    run(ipython, "d = 4", capsys)
+    assert len(calls) == 4
+
+
 # Cells of every kind ---------------------------------------------------------------------
 
 

@@ -1,17 +1,6 @@
-import platform
+"""``python -m benchmarks``: run every case, print its tables, write RESULTS.md."""
 
-import torch
+from benchmarks import suite
 
-from benchmarks import lines, meters
-
-print(f"Python {platform.python_version()}, torch {torch.__version__}, {platform.machine()}")
-print()
-print("Tensor meter overhead (median of 5, same process, alternating):")
-print(meters.table(meters.measure()))
-print()
-print(f"Line profiler overhead (median of 7, same process, alternating; {lines.versions()}):")
-rows = lines.measure()
-print(lines.table(rows))
-print()
-print("Targets for torchmem's LineProfiler (ratio to unprofiled):")
-print(lines.targets(rows))
+suite.RESULTS.write_text(suite.run())
+print(f"\nWrote {suite.RESULTS}")

@@ -22,20 +22,21 @@ from benchmarks import meters, timing
 Work = Callable[[], None]
 
 
-def linears(n: int = 200) -> Work:
+def linears(n: int = 200, device: str = "cpu") -> Work:
     """`n` constructions of ``torch.nn.Linear(16, 16)``: a loop of many short lines, each
     running a lot of unwatched Python (module set-up, parameter initialisation)."""
 
     def run() -> None:
         for _ in range(n):
-            torch.nn.Linear(16, 16)
+            torch.nn.Linear(16, 16, device=device)
+        meters.synchronize(device)
 
     return run
 
 
-def mlp_step() -> Work:
+def mlp_step(device: str = "cpu") -> Work:
     """One training step of the MLP of :mod:`benchmarks.meters`, a line per stage."""
-    model, opt, x, y = meters.mlp()
+    model, opt, x, y = meters.mlp(device)
 
     def run() -> None:
         opt.zero_grad()
@@ -43,20 +44,27 @@ def mlp_step() -> Work:
         loss = torch.nn.functional.cross_entropy(out, y)
         loss.backward()
         opt.step()
+        meters.synchronize(device)
 
     run()  # Adam's state exists from here on
     return run
 
 
-def unprofiled(work: Work) -> Callable[[], contextlib.AbstractContextManager]:
+Bind = Callable[[Work, str], Callable[[], contextlib.AbstractContextManager]]
+"""Given the work and its device: a context that profiles it."""
+
+
+def unprofiled(work: Work, device: str) -> Callable[[], contextlib.AbstractContextManager]:
     return contextlib.nullcontext
 
 
-def torchmem_lines(work: Work) -> Callable[[], contextlib.AbstractContextManager]:
-    return lambda: torchmem.LineProfiler(work, device="cpu")  # CPU tensors on any machine
+def torchmem_lines(work: Work, device: str) -> Callable[[], contextlib.AbstractContextManager]:
+    return lambda: torchmem.LineProfiler(work, device=device)
 
 
-def memory_profiler_lines(work: Work) -> Callable[[], contextlib.AbstractContextManager]:
+def memory_profiler_lines(
+    work: Work, device: str
+) -> Callable[[], contextlib.AbstractContextManager]:
     import memory_profiler
 
     @contextlib.contextmanager
@@ -72,7 +80,7 @@ def memory_profiler_lines(work: Work) -> Callable[[], contextlib.AbstractContext
     return profiled
 
 
-def line_profiler_lines(work: Work) -> Callable[[], contextlib.AbstractContextManager]:
+def line_profiler_lines(work: Work, device: str) -> Callable[[], contextlib.AbstractContextManager]:
     import line_profiler
 
     @contextlib.contextmanager
@@ -87,7 +95,7 @@ def line_profiler_lines(work: Work) -> Callable[[], contextlib.AbstractContextMa
     return profiled
 
 
-CONTENDERS: dict[str, Callable[[Work], Callable[[], contextlib.AbstractContextManager]]] = {
+CONTENDERS: dict[str, Bind] = {
     "unprofiled": unprofiled,
     "torchmem LineProfiler": torchmem_lines,
     "memory_profiler LineProfiler (psutil)": memory_profiler_lines,
@@ -100,16 +108,16 @@ TARGETS = {"torch.nn.Linear(16, 16), 200 times": 3.0, "MLP training step (Adam)"
 """Case -> the ratio torchmem's line profiler should stay within."""
 
 
-def measure(repeat: int = 7, scale: float = 1.0) -> list[timing.Row]:
+def measure(repeat: int = 7, scale: float = 1.0, device: str = "cpu") -> list[timing.Row]:
     """(case, contender, median seconds, ratio to unprofiled) for every pair; None, None
     for a contender whose package is not installed."""
     rows = []
     for case, make in CASES.items():
-        work = make(max(1, int(200 * scale))) if make is linears else make()
+        work = make(max(1, int(200 * scale)), device) if make is linears else make(device)
         contexts = {}
         for name, bind in CONTENDERS.items():
             with contextlib.suppress(ImportError):
-                contexts[name] = bind(work)
+                contexts[name] = bind(work, device)
         found = timing.medians(work, contexts, repeat)
         rows += timing.rows(case, list(CONTENDERS), found, "unprofiled")
     return rows

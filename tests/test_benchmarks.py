@@ -2,18 +2,25 @@
 
 import sys
 
-from benchmarks import lines, meters
+from benchmarks import cells, lines, meters, peaks, suite
+
+import torchmem
+from standins import hide_gpus
 
 
 def test_meter_benchmark_runs_and_tabulates():
     rows = meters.measure(repeat=1, scale=0.01)
     assert [(case, name) for case, name, _, _ in rows] == [
-        (case, name) for case in meters.CASES for name in meters.CONTENDERS
+        (case, name) for case in meters.CASES for name in meters.contenders("cpu")
     ]
+    assert list(meters.contenders("cpu"))[1] == "torchmem TensorMeter"
     assert [ratio for case, name, _, ratio in rows if name == "unwatched"] == [1.0, 1.0]
     text = meters.table(rows).splitlines()
     assert text[0] == "| case | contender | median | ratio |"
     assert len(text) == 2 + len(rows)
+    verdicts = meters.verdicts(rows).splitlines()
+    assert [line.split(":")[0] for line in verdicts] == [f"- {case}" for case in meters.CASES]
+    assert all(line.endswith(("(met)", "(missed)")) for line in verdicts)
 
 
 def test_line_benchmark_runs_and_tabulates():
@@ -34,3 +41,72 @@ def test_line_benchmark_shows_a_missing_package(monkeypatch):
     assert missing == [(case, None, None) for case in lines.CASES]
     assert f"| {next(iter(lines.CASES))} | memory_profiler" in lines.table(rows)
     assert "| not installed | - |" in lines.table(rows)
+
+
+def test_peak_benchmark_catches_tensor_spikes_to_the_byte(monkeypatch):
+    hide_gpus(monkeypatch)  # else the logger's tensor row is the GPU's
+    size = 2**26  # above glibc's largest mmap threshold (32 MiB), so freeing returns it
+    results = peaks.measure(repeat=1, size=size)
+    names = [
+        "torchmem MemTrace (RAM, VmHWM)",
+        "torchmem MemTrace (CPU tensors)",
+        "torchmem CellLogger (RAM row)",
+        "torchmem CellLogger (tensor row)",
+        "ipyexperiments CellLogger (RSS thread)",
+        "1 ms RSS polling thread",
+    ]
+    assert [(r.spike, r.contender) for r in results] == [
+        (spike, name)
+        for spike in ("GIL held (bytes)", "F.cross_entropy", "numpy")
+        for name in names
+    ]
+    found = {(r.spike, r.contender): r for r in results}
+    # The temporary log_softmax of 4 MiB of logits, and nll_loss's two 4-byte scalars.
+    for row in ("torchmem MemTrace (CPU tensors)", "torchmem CellLogger (tensor row)"):
+        assert found["F.cross_entropy", row].found == (size + 8,)
+        assert found["F.cross_entropy", row].worst_error == 0
+        assert found["numpy", row].found is None
+        assert found["numpy", row].note == "not a tensor"
+    if torchmem.meter("ram").exact:  # the kernel's high-water mark, not a sampling thread
+        for spike in ("GIL held (bytes)", "numpy"):
+            for row in ("torchmem MemTrace (RAM, VmHWM)", "torchmem CellLogger (RAM row)"):
+                assert found[spike, row].caught == 1
+    text = peaks.table(results).splitlines()
+    assert text[0] == "| spike | contender | caught | worst error |"
+    assert "| F.cross_entropy | torchmem MemTrace (CPU tensors) | 1/1 | +0 B |" in text
+    assert len(text) == 2 + len(results)
+
+
+def test_peak_benchmark_shows_a_missing_package(monkeypatch):
+    monkeypatch.setitem(sys.modules, "ipyexperiments", None)
+    results = peaks.measure(repeat=1, size=2**20)
+    missing = [r for r in results if r.contender.startswith("ipyexperiments")]
+    assert [(r.found, r.note) for r in missing] == [(None, "not installed")] * 3
+
+
+def test_cell_benchmark_runs_each_logger_in_a_real_shell():
+    rows = cells.measure(repeat=1, sleep=0.01)
+    assert [row.contender for row in rows] == list(cells.CONTENDERS)
+    assert all(row.background is not None and row.background >= 0 for row in rows)
+    assert all(row.total is not None and row.total >= row.background for row in rows)
+    text = cells.table(rows, 0.01).splitlines()
+    assert text[0] == "| contender | CPU s in other threads | CPU s in all (cell sleeps 0.01 s) |"
+    assert len(text) == 2 + len(cells.CONTENDERS)
+
+
+def test_the_whole_suite_runs_and_writes_its_sections(monkeypatch):
+    hide_gpus(monkeypatch)
+    shown = []
+    report = suite.run(suite.TINY, show=shown.append)
+    assert report.startswith("# Benchmark results\n\n- Date: ")
+    headings = [line for line in report.splitlines() if line.startswith("## ")]
+    assert headings == [
+        "## 1. Peak exactness",
+        "## 2. Line profiler overhead",
+        "## 3. Tensor meter overhead per operator",
+        "## 4. Background cost of the cell logger",
+        "## 5. Tensor reporter",
+    ]
+    assert report.count("Skipped: no CUDA device on this machine.") == 3
+    assert "\n".join(shown) + "\n" == report  # each section shown as it was measured
+    assert report.rstrip().splitlines()[-1].startswith("Whole run: ")

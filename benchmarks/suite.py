@@ -1,0 +1,146 @@
+"""The whole suite: every case, its tables, and ``benchmarks/RESULTS.md``.
+
+``python -m benchmarks`` runs :data:`FULL`; the tests run :data:`TINY`, so the suite
+cannot rot. Each section is printed as soon as it is measured.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import inspect
+import os
+import platform
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+import psutil
+import torch
+
+from benchmarks import cells, lines, meters, peaks, reporter
+
+RESULTS = Path(__file__).with_name("RESULTS.md")
+PEERS = ("ipyexperiments", "memory_profiler", "line_profiler", "pytorch-memlab")
+
+
+@dataclass(frozen=True)
+class Config:
+    repeat: int = 5
+    """Runs of each contender; each figure is their median (the worst, for errors)."""
+    line_repeat: int = 7
+    scale: float = 1.0
+    """Fraction of the full workloads' loop counts."""
+    spike: int = peaks.SIZE
+    """Bytes of each spike in the peak case."""
+    sleep: float = 2.0
+    """Seconds the cell sleeps in the cell-logger case."""
+    tensors: int = 100_000
+    """Live tensors in the reporter case."""
+
+
+FULL = Config()
+TINY = Config(repeat=1, line_repeat=1, scale=0.01, spike=2**26, sleep=0.01, tensors=200)
+
+
+def sections(config: Config) -> Iterator[str]:
+    """The results, one markdown section at a time, measured as they are asked for."""
+    cuda = torch.cuda.is_available()
+    skipped = "Skipped: no CUDA device on this machine."
+
+    yield "## 1. Peak exactness\n\n" + doc(peaks)
+    yield f"{config.repeat} runs of each spike, contenders alternating:\n\n" + peaks.table(
+        peaks.measure(config.repeat, config.spike)
+    )
+    yield "CUDA variant:\n\n" + (
+        peaks.table(peaks.measure_cuda(config.repeat, config.spike)) if cuda else skipped
+    )
+
+    yield (
+        "## 2. Line profiler overhead\n\nEach contender watches the same function line by "
+        "line, alternating, in one process; median of "
+        f"{config.line_repeat} and its ratio to the unprofiled run "
+        "(line_profiler measures time only: the floor of any line tracer)."
+    )
+    rows = lines.measure(config.line_repeat, config.scale)
+    yield lines.table(rows) + "\n\nTargets for torchmem's LineProfiler:\n\n" + lines.targets(rows)
+    yield "CUDA variant (the caching allocator's counters):\n\n" + (
+        lines.table(lines.measure(config.line_repeat, config.scale, "cuda")) if cuda else skipped
+    )
+
+    yield (
+        "## 3. Tensor meter overhead per operator\n\nWork run inside an open peak window "
+        "against the PyTorch profiler recording memory, alternating; median of "
+        f"{config.repeat} and ratio to the unwatched run. Target: below the profiler."
+    )
+    rows = meters.measure(config.repeat, config.scale)
+    yield meters.table(rows) + "\n\n" + meters.verdicts(rows)
+    yield "CUDA variant (the caching allocator's meter):\n\n" + (
+        meters.table(meters.measure(config.repeat, config.scale, "cuda")) if cuda else skipped
+    )
+
+    yield "## 4. Background cost of the cell logger\n\n" + doc(cells)
+    yield cells.table(cells.measure(config.repeat, config.sleep), config.sleep)
+
+    yield "## 5. Tensor reporter\n\n" + doc(reporter)
+    yield (
+        f"Time to report {config.tensors:,} live tensors, median of {config.repeat}:\n\n"
+        + reporter.table_time(reporter.measure_time(config.tensors, config.repeat))
+    )
+    yield "Sizes reported for a known model:\n\n" + reporter.table_sizes(reporter.measure_sizes())
+
+
+def doc(module: ModuleType) -> str:
+    """A benchmark module's docstring, which says what it measures and how."""
+    return inspect.cleandoc(module.__doc__ or "")
+
+
+def header() -> str:
+    """Date, machine and versions."""
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "none"
+    peers = []
+    for package in PEERS:
+        try:
+            peers.append(f"{package} {importlib.metadata.version(package)}")
+        except importlib.metadata.PackageNotFoundError:
+            peers.append(f"{package} not installed")
+    return "\n".join(
+        [
+            "# Benchmark results",
+            "",
+            f"- Date: {datetime.date.today().isoformat()}",
+            f"- Machine: {cpu_name()}, {os.cpu_count()} cores, "
+            f"{psutil.virtual_memory().total / 2**30:.0f} GiB RAM, GPU: {gpu}",
+            f"- OS: {platform.system()} {platform.release()}",
+            f"- Python {platform.python_version()}, torch {torch.__version__}, "
+            f"torchmem {importlib.metadata.version('torchmem')}",
+            f"- Peers: {', '.join(peers)}",
+            "- Command: `python -m benchmarks`",
+        ]
+    )
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def run(config: Config = FULL, show: Callable[[str], None] = print) -> str:
+    """Measure everything, showing each section as it comes; return the whole report."""
+    started = time.perf_counter()
+    parts = [header()]
+    show(parts[0])
+    for section in sections(config):
+        show("\n" + section)
+        parts.append(section)
+    parts.append(f"Whole run: {time.perf_counter() - started:.0f} s.")
+    show("\n" + parts[-1])
+    return "\n\n".join(parts) + "\n"

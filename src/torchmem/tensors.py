@@ -184,7 +184,15 @@ class MemReporter:
     def snapshot(self, device: str | int | torch.device | None = None) -> list[TensorRecord]:
         """The live tensors now, one record each (shared ones too), in report order;
         only those on `device` when given (``"cuda"`` matches every CUDA device)."""
-        return _collect(self, device)
+        # Every record made would otherwise trigger collections, full ones included, that
+        # walk all of the process's objects: about a fifth of the time on 100,000 tensors.
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            return _collect(self, device)
+        finally:
+            if collecting:
+                gc.enable()
 
     def display(
         self, verbose: bool = False, device: str | int | torch.device | None = None
@@ -302,39 +310,53 @@ class _Found:
     def records(self, wanted: torch.device | None) -> list[TensorRecord]:
         owners: dict[int, str] = {}
         records = []
+        texts: dict[object, str] = {}  # str() of each dtype and layout seen
+        devices: dict[torch.device, tuple[str, str]] = {}  # device -> (str, type): slow
         for tensor in self.tensors:
             name = self.names[id(tensor)]
-            try:
-                if tensor.numel() == 0:
-                    continue
-            except Exception:  # no element count: size it anyway
-                pass
             device = tensor.device
-            nbytes, owner, note, numel = 0, None, None, 0
-            try:
-                storages = list(_storages(tensor))
-                numel = _numel(tensor)
-            except _Unsized as exc:
-                note = str(exc)
+            text, kind = devices.get(device) or devices.setdefault(
+                device, (str(device), device.type)
+            )
+            nbytes, owner, note = 0, None, None
+            if _plain(tensor):  # nearly every tensor: one storage, sizes straight off it
+                numel = tensor.numel()
+                if numel == 0:
+                    continue
+                storage = tensor.untyped_storage()
+                storages: list[tuple[int, int]] = [(storage._cdata, storage.nbytes())]
+                shape: tuple[int | str, ...] | None = tuple(tensor.shape)
             else:
-                shared = []
-                for key, size in storages:
-                    if key in owners:
-                        shared.append(owners[key])
+                try:
+                    if tensor.numel() == 0:
                         continue
-                    owners[key] = name
-                    nbytes += _bytes(size, device)
-                if shared and len(shared) == len(storages):
-                    owner = shared[0]
+                except Exception:  # no element count: size it anyway
+                    pass
+                numel, shape = 0, _shape(tensor)
+                try:
+                    storages = list(_storages(tensor))
+                    numel = _numel(tensor)
+                except _Unsized as exc:
+                    storages, note = [], str(exc)
+            shared = []
+            for key, size in storages:
+                if key in owners:
+                    shared.append(owners[key])
+                    continue
+                owners[key] = name
+                nbytes += _bytes(size, kind)
+            if shared and len(shared) == len(storages):
+                owner = shared[0]
             if wanted is not None and not _matches(device, wanted):
                 continue
+            dtype, layout = tensor.dtype, tensor.layout
             records.append(
                 TensorRecord(
                     name=name,
-                    device=str(device),
-                    shape=_shape(tensor),
-                    dtype=str(tensor.dtype),
-                    layout=str(tensor.layout),
+                    device=text,
+                    shape=shape,
+                    dtype=texts.get(dtype) or texts.setdefault(dtype, str(dtype)),
+                    layout=texts.get(layout) or texts.setdefault(layout, str(layout)),
                     kind=type(tensor).__name__,
                     numel=numel,
                     nbytes=nbytes,
@@ -344,6 +366,14 @@ class _Found:
                 )
             )
         return records
+
+
+def _plain(tensor: torch.Tensor) -> bool:
+    """A dense tensor of PyTorch's own classes, not nested: the common case."""
+    return type(tensor) in _PLAIN and tensor.layout is torch.strided and not tensor.is_nested
+
+
+_PLAIN = frozenset((torch.Tensor, torch.nn.Parameter))
 
 
 def _storages(tensor: torch.Tensor) -> Iterable[tuple[int, int]]:
@@ -381,12 +411,11 @@ def _numel(tensor: torch.Tensor) -> int:
     return tensor.numel()
 
 
-def _bytes(nbytes: int, device: torch.device) -> int:
-    if device.type == "meta":
-        return 0
-    if device.type == "cuda":
+def _bytes(nbytes: int, kind: str) -> int:
+    """Bytes a storage of `nbytes` takes on a device of type `kind`."""
+    if kind == "cuda":
         return -(-nbytes // CUDA_BLOCK) * CUDA_BLOCK
-    return nbytes
+    return 0 if kind == "meta" else nbytes
 
 
 def _shape(tensor: torch.Tensor) -> tuple[int | str, ...] | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import html
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -14,6 +15,9 @@ if TYPE_CHECKING:
 ROW = "{:<40s}{:>20s}{:>10s}"
 RULE = "-" * 79
 DIFFERS = "Memory differs due to the matrix alignment or invisible gradient buffer tensors"
+
+# A report repeats the same few shapes and sizes: format each once.
+_readable = functools.lru_cache(maxsize=4096)(readable_size)
 
 
 def tensors_text(
@@ -44,6 +48,7 @@ def tensors_text(
     return "\n".join(lines) + "\n"
 
 
+@functools.lru_cache(maxsize=4096)
 def size_text(shape: tuple[int | str, ...] | None) -> str:
     """The Size column: ``str(tuple(size))``, ``(1,)`` for a 0-d tensor as pytorch_memlab
     shows it, ``?`` where there is no single size."""
@@ -60,7 +65,7 @@ def _name(record: TensorRecord) -> str:
 
 
 def _used(record: TensorRecord) -> str:
-    return "?" if record.note is not None else readable_size(record.nbytes)
+    return "?" if record.note is not None else _readable(record.nbytes)
 
 
 def _by_device(records: Sequence[TensorRecord]) -> dict[str, list[TensorRecord]]:

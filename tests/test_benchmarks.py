@@ -2,6 +2,7 @@
 
 import sys
 
+import pytest
 from benchmarks import cells, lines, meters, peaks, suite
 
 import torchmem
@@ -110,3 +111,17 @@ def test_the_whole_suite_runs_and_writes_its_sections(monkeypatch):
     assert report.count("Skipped: no CUDA device on this machine.") == 3
     assert "\n".join(shown) + "\n" == report  # each section shown as it was measured
     assert report.rstrip().splitlines()[-1].startswith("Whole run: ")
+
+
+@pytest.mark.cuda
+def test_cuda_variants_run_on_a_real_gpu():
+    size = 2**26
+    results = peaks.measure_cuda(repeat=1, size=size)
+    traced = results[0]
+    assert traced.contender == "torchmem MemTrace (CUDA allocator)"
+    # The temporary, and nll_loss's two scalars in a 512-byte block each.
+    assert traced.found == (size + 2 * 512,)
+    rows = meters.measure(repeat=1, scale=0.01, device="cuda")
+    assert [name for _, name, _, _ in rows][:3] == list(meters.contenders("cuda"))
+    rows = lines.measure(repeat=1, scale=0.02, device="cuda")
+    assert all(ratio is not None for _, name, _, ratio in rows if name.startswith("torchmem"))

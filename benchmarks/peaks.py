@@ -1,6 +1,7 @@
-"""Does the tool catch the real peak? Three spikes, each run `repeat` times, watched by
-torchmem's tracer and cell logger, by ipyexperiments' ``CellLogger`` and by a 1 ms polling
-thread (the method of fastai's ``GPUMemTrace``, applied to the process's RSS).
+"""Does the tool catch the real peak? Three spikes, each run several times, watched by
+torchmem's tracer and cell logger, by ipyexperiments' ``CellLogger`` (in a real IPython
+shell) and by a 1 ms polling thread (the method of fastai's ``GPUMemTrace``, applied to
+the process's RSS).
 
 The spikes, each 256 MiB by default and gone again when the call returns:
 

@@ -11,7 +11,6 @@ package is not installed shows as such.
 from __future__ import annotations
 
 import contextlib
-import importlib.metadata
 from collections.abc import Callable, Iterator
 
 import torch
@@ -102,7 +101,6 @@ CONTENDERS: dict[str, Bind] = {
     "line_profiler LineProfiler (time only)": line_profiler_lines,
 }
 """Contender -> its context for a watched function; importing a missing package fails."""
-PACKAGES = ("memory_profiler", "line_profiler")
 CASES = {"torch.nn.Linear(16, 16), 200 times": linears, "MLP training step (Adam)": mlp_step}
 TARGETS = {"torch.nn.Linear(16, 16), 200 times": 3.0, "MLP training step (Adam)": 1.3}
 """Case -> the ratio torchmem's line profiler should stay within."""
@@ -136,14 +134,3 @@ def targets(rows: list[timing.Row]) -> str:
             verdict = "met" if ratio <= target else "missed"
             lines.append(f"- {case}: at most {target:.1f}x, measured {ratio:.2f}x ({verdict})")
     return "\n".join(lines)
-
-
-def versions() -> str:
-    """The contenders' packages and their versions, or "not installed"."""
-    found = []
-    for package in PACKAGES:
-        try:
-            found.append(f"{package} {importlib.metadata.version(package)}")
-        except importlib.metadata.PackageNotFoundError:
-            found.append(f"{package} not installed")
-    return ", ".join(found)

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import importlib.metadata
 import io
 import threading
 from collections.abc import Callable
@@ -275,10 +274,3 @@ def table(results: list[Result]) -> str:
                 f"| {r.spike} | {r.contender} | {r.caught}/{len(r.found)} | {r.worst_error:+,} B |"
             )
     return "\n".join(lines)
-
-
-def versions() -> str:
-    try:
-        return f"ipyexperiments {importlib.metadata.version('ipyexperiments')}"
-    except importlib.metadata.PackageNotFoundError:
-        return "ipyexperiments not installed"

@@ -23,7 +23,6 @@ torchmem's is limited to the model and the optimizer (``objects=``).
 from __future__ import annotations
 
 import contextlib
-import importlib.metadata
 import io
 import warnings
 from collections.abc import Callable, Iterator
@@ -293,23 +292,3 @@ def table_sizes(rows: list[SizeRow]) -> str:
         f"| {_bytes(theirs)} | {_error(theirs, truth)} | |"
     )
     return "\n".join(lines)
-
-
-def versions() -> str:
-    """pytorch_memlab's version, or "not installed"."""
-    try:
-        return f"pytorch_memlab {importlib.metadata.version('pytorch_memlab')}"
-    except importlib.metadata.PackageNotFoundError:
-        return "pytorch_memlab not installed"
-
-
-def main(n: int = 100_000, repeat: int = 5) -> None:
-    print(f"Tensor reporter time (median of {repeat}, same process, alternating; {versions()}):")
-    print(table_time(measure_time(n, repeat)))
-    print()
-    print("Tensor reporter sizes: Linear(1024, 1024), ReLU, Linear(1024, 10) after one Adam step:")
-    print(table_sizes(measure_sizes()))
-
-
-if __name__ == "__main__":
-    main()

@@ -7,6 +7,7 @@ every object in the process (the default) runs in a fresh process.
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 
 import pytest
@@ -440,3 +441,20 @@ def test_every_tensor_in_a_fresh_process() -> None:
         "Tensor1                                                 (1,)     4.00B\n",
         "Total Tensors: 2623489 \tUsed Memory: 10.01M",
     )
+
+
+def test_records_are_complete_frozen_dataclasses() -> None:
+    kept = torch.zeros(1024, 1024)
+    (record,) = MemReporter(objects=lambda: [kept]).snapshot()
+    fields = {f.name: getattr(record, f.name) for f in dataclasses.fields(TensorRecord)}
+    assert record == TensorRecord(**fields)
+    assert hash(record) == hash(TensorRecord(**fields))
+    assert (record.name, record.shape, record.nbytes, record.numel) == (
+        "Tensor0",
+        (1024, 1024),
+        4_194_304,
+        1_048_576,
+    )
+    assert record.tensor is not None and record.tensor() is kept
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        record.nbytes = 0  # type: ignore[misc]

@@ -251,6 +251,26 @@ def test_a_tensor_without_storage_is_listed_with_a_note(
     )
 
 
+def test_a_tensor_inside_vmap_is_listed_with_a_note() -> None:
+    # Inside vmap the function sees a plain torch.Tensor that has no storage of its own.
+    found = []
+
+    def double(x: torch.Tensor) -> torch.Tensor:
+        found.extend(MemReporter(objects=only(x)).snapshot())
+        return x * 2
+
+    torch.vmap(double)(torch.ones(3, 4))
+    assert [(r.name, r.shape, r.numel, r.nbytes, r.note) for r in found] == [
+        (
+            "Tensor0",
+            (4,),
+            0,
+            0,
+            "no storage: NotImplementedError: Cannot access storage of BatchedTensorImpl",
+        )
+    ]
+
+
 def test_names_are_fresh_in_each_report() -> None:
     a, b = torch.zeros(1), torch.zeros(2)
     first = MemReporter(objects=only(a, b)).snapshot()

@@ -319,14 +319,19 @@ class _Found:
                 device, (str(device), device.type)
             )
             nbytes, owner, note = 0, None, None
+            storages: list[tuple[int, int]] | None = None
             if _plain(tensor):  # nearly every tensor: one storage, sizes straight off it
                 numel = tensor.numel()
                 if numel == 0:
                     continue
-                storage = tensor.untyped_storage()
-                storages: list[tuple[int, int]] = [(storage._cdata, storage.nbytes())]
-                shape: tuple[int | str, ...] | None = tuple(tensor.shape)
-            else:
+                try:
+                    storage = tensor.untyped_storage()
+                except Exception:  # a functorch wrapper (vmap, grad): said below
+                    pass
+                else:
+                    storages = [(storage._cdata, storage.nbytes())]
+                    shape: tuple[int | str, ...] | None = tuple(tensor.shape)
+            if storages is None:
                 try:
                     if tensor.numel() == 0:
                         continue

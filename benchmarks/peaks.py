@@ -5,8 +5,8 @@ the process's RSS).
 
 The spikes, each 256 MiB by default and gone again when the call returns:
 
-- ``GIL held``: a bytes buffer allocated, filled and freed inside one call that holds the
-  GIL, so no Python thread can run while it exists;
+- ``GIL held``: ``len(b"\x01" * size)``, a bytes buffer allocated, filled and freed
+  without the GIL being released in between, so no Python thread can run while it exists;
 - ``F.cross_entropy``: the temporary ``log_softmax`` inside one ``torch.nn.functional``
   call on 256 MiB of logits (which exist before the call, so they are not the spike);
 - ``numpy``: ``np.ones`` summed.
@@ -88,15 +88,15 @@ def cuda_spike(size: int = SIZE) -> Spike:
 
 
 # Contenders: each runs the spike once under its tool and returns the peak it reports,
-# in bytes, or None where the tool cannot see this kind of spike.
+# in bytes, or why it cannot measure this spike.
 
-Contender = Callable[[Spike], "int | None"]
+Contender = Callable[[Spike], "int | str"]
 
 
 def trace(device: str) -> Contender:
-    def measure(spike: Spike) -> int | None:
+    def measure(spike: Spike) -> int | str:
         if device == "cpu" and not spike.tensors:
-            return None
+            return "not a tensor"
         with torchmem.MemTrace(device=device, silent=True, on_exit_report=False) as t:
             spike.run()
         return t.peaked_bytes
@@ -157,9 +157,11 @@ def torchmem_cells(shell: Shell, row: str) -> Contender:
     """torchmem's ``CellLogger``: its RAM row (``"gen"``) or its tensor row (``"gpu"``,
     CPU tensors on a machine without a GPU)."""
 
-    def measure(spike: Spike) -> int | None:
-        if row == "gpu" and (not spike.tensors or torch.cuda.is_available()):
-            return None  # with a GPU, the row is the GPU's
+    def measure(spike: Spike) -> int | str:
+        if row == "gpu" and not spike.tensors:
+            return "not a tensor"
+        if row == "gpu" and torch.cuda.is_available():
+            return "the row is the GPU's on this machine"
         logger = torchmem.CellLogger(shell=shell.shell)
         shell.run("logger.start()", logger=logger)
         shell.run("spike();", spike=spike.run)
@@ -192,8 +194,8 @@ class Result:
     contender: str
     truth: int
     found: tuple[int, ...] | None
-    """The peak reported in each run, bytes; None where the contender cannot see this
-    spike (the tensor meter on non-tensor memory) or its package is not installed."""
+    """The peak reported in each run, bytes; None where the contender cannot measure this
+    spike (`note` says why) or its package is not installed."""
     note: str = ""
 
     @property
@@ -226,7 +228,7 @@ def run(cases: list[Spike], named: dict[str, Contender | None], repeat: int) -> 
     """Every contender on every spike, `repeat` times, contenders alternating."""
     results = []
     for spike in cases:
-        runs: dict[str, list[int | None]] = {name: [] for name in named}
+        runs: dict[str, list[int | str]] = {name: [] for name in named}
         for _ in range(repeat):
             for name, contender in named.items():
                 if contender is not None:
@@ -235,10 +237,12 @@ def run(cases: list[Spike], named: dict[str, Contender | None], repeat: int) -> 
             found = runs[name]
             if contender is None:
                 results.append(Result(spike.name, name, spike.truth, None, "not installed"))
-            elif None in found:
-                results.append(Result(spike.name, name, spike.truth, None, "not a tensor"))
+            elif any(isinstance(value, str) for value in found):
+                why = next(value for value in found if isinstance(value, str))
+                results.append(Result(spike.name, name, spike.truth, None, why))
             else:
-                results.append(Result(spike.name, name, spike.truth, tuple(found)))
+                peaks = tuple(value for value in found if isinstance(value, int))
+                results.append(Result(spike.name, name, spike.truth, peaks))
     return results
 
 

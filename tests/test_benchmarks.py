@@ -95,6 +95,15 @@ def test_cell_benchmark_runs_each_logger_in_a_real_shell():
     assert len(text) == 2 + len(cells.CONTENDERS)
 
 
+def test_cell_benchmark_shows_a_missing_package(monkeypatch):
+    monkeypatch.setitem(sys.modules, "ipyexperiments", None)
+    rows = cells.measure(repeat=1, sleep=0.01)
+    assert [(row.contender, row.background) for row in rows if row.background is None] == [
+        ("ipyexperiments CellLogger", None)
+    ]
+    assert "| ipyexperiments CellLogger | not installed | - |" in cells.table(rows, 0.01)
+
+
 def test_the_whole_suite_runs_and_writes_its_sections(monkeypatch):
     hide_gpus(monkeypatch)
     shown = []

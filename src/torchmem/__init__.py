@@ -1,113 +1,194 @@
-"""torchmem: PyTorch memory, answered in one call."""
+"""torchmem: PyTorch memory, answered in one call.
 
-from importlib.metadata import PackageNotFoundError, version
+Every public name is importable from here, and loaded on first use: ``import torchmem``
+imports neither PyTorch nor anything else heavy, so ``torchmem --help`` answers at once.
+"""
 
-try:
-    __version__ = version("torchmem")
-except PackageNotFoundError:  # running from a source tree that was never installed
-    __version__ = "0+unknown"
+from __future__ import annotations
 
-from torchmem.courtesy import Courtesy
-from torchmem.devices import (
-    GPUMemory,
-    gpu_mem_allocate_mbs,
-    gpu_mem_get,
-    gpu_mem_get_all,
-    gpu_mem_get_free,
-    gpu_mem_get_free_mbs,
-    gpu_mem_get_free_no_cache,
-    gpu_mem_get_free_no_cache_mbs,
-    gpu_mem_get_total_mbs,
-    gpu_mem_get_used,
-    gpu_mem_get_used_fast,
-    gpu_mem_get_used_mbs,
-    gpu_mem_get_used_no_cache,
-    gpu_mem_get_used_no_cache_mbs,
-    gpu_mem_leave_free_mbs,
-    gpu_with_max_free_mem,
-    nvml_handle,
-    preload_pytorch,
-)
-from torchmem.errors import TorchmemError
-from torchmem.lines import (
-    DEFAULT_COLUMNS,
-    FunctionRecord,
-    LineProfiler,
-    LineRecord,
-    LineReport,
-    clear_global_line_profiler,
-    profile,
-    profile_every,
-    set_target_gpu,
-    valid_columns,
-)
-from torchmem.meters import Meter, TensorMeter, Window, device_meter, meter
-from torchmem.notebook import load_ipython_extension
-from torchmem.notebook.cells import CellLogger, CellRecord, IPyGPULogger
-from torchmem.oom import OOMReport, explain_oom, is_oom, oom_guard
-from torchmem.restore import get_ref_free_exc_info, gpu_mem_restore, gpu_mem_restore_ctx
-from torchmem.tensors import MemReporter, TensorDiff, TensorRecord, TensorReport, diff
-from torchmem.trace import GPUMemTrace, MemTrace, gpu_mem_trace, mem_trace
-from torchmem.units import b2mb, parse_size, readable_size
+import importlib
+from typing import TYPE_CHECKING, Any
 
-__all__ = [
-    "DEFAULT_COLUMNS",
-    "CellLogger",
-    "CellRecord",
-    "Courtesy",
-    "FunctionRecord",
-    "GPUMemTrace",
-    "GPUMemory",
-    "IPyGPULogger",
-    "LineProfiler",
-    "LineRecord",
-    "LineReport",
-    "MemReporter",
-    "MemTrace",
-    "Meter",
-    "OOMReport",
-    "TensorDiff",
-    "TensorMeter",
-    "TensorRecord",
-    "TensorReport",
-    "TorchmemError",
-    "Window",
-    "__version__",
-    "b2mb",
-    "clear_global_line_profiler",
-    "device_meter",
-    "diff",
-    "explain_oom",
-    "get_ref_free_exc_info",
-    "gpu_mem_allocate_mbs",
-    "gpu_mem_get",
-    "gpu_mem_get_all",
-    "gpu_mem_get_free",
-    "gpu_mem_get_free_mbs",
-    "gpu_mem_get_free_no_cache",
-    "gpu_mem_get_free_no_cache_mbs",
-    "gpu_mem_get_total_mbs",
-    "gpu_mem_get_used",
-    "gpu_mem_get_used_fast",
-    "gpu_mem_get_used_mbs",
-    "gpu_mem_get_used_no_cache",
-    "gpu_mem_get_used_no_cache_mbs",
-    "gpu_mem_leave_free_mbs",
-    "gpu_mem_restore",
-    "gpu_mem_restore_ctx",
-    "gpu_mem_trace",
-    "gpu_with_max_free_mem",
-    "is_oom",
-    "load_ipython_extension",
-    "mem_trace",
-    "meter",
-    "nvml_handle",
-    "oom_guard",
-    "parse_size",
-    "preload_pytorch",
-    "profile",
-    "profile_every",
-    "readable_size",
-    "set_target_gpu",
-    "valid_columns",
-]
+from torchmem._version import __version__
+
+_EXPORTS = {
+    "torchmem.courtesy": ("Courtesy",),
+    "torchmem.devices": (
+        "gpu_mem_allocate_mbs",
+        "gpu_mem_get",
+        "gpu_mem_get_all",
+        "gpu_mem_get_free",
+        "gpu_mem_get_free_mbs",
+        "gpu_mem_get_free_no_cache",
+        "gpu_mem_get_free_no_cache_mbs",
+        "gpu_mem_get_total_mbs",
+        "gpu_mem_get_used",
+        "gpu_mem_get_used_fast",
+        "gpu_mem_get_used_mbs",
+        "gpu_mem_get_used_no_cache",
+        "gpu_mem_get_used_no_cache_mbs",
+        "gpu_mem_leave_free_mbs",
+        "gpu_with_max_free_mem",
+        "GPUMemory",
+        "nvml_handle",
+        "preload_pytorch",
+    ),
+    "torchmem.errors": ("TorchmemError",),
+    "torchmem.lines": (
+        "clear_global_line_profiler",
+        "DEFAULT_COLUMNS",
+        "FunctionRecord",
+        "LineProfiler",
+        "LineRecord",
+        "LineReport",
+        "profile",
+        "profile_every",
+        "set_target_gpu",
+        "valid_columns",
+    ),
+    "torchmem.meters": (
+        "device_meter",
+        "Meter",
+        "meter",
+        "TensorMeter",
+        "Window",
+    ),
+    "torchmem.notebook": ("load_ipython_extension",),
+    "torchmem.notebook.cells": (
+        "CellLogger",
+        "CellRecord",
+        "IPyGPULogger",
+    ),
+    "torchmem.oom": (
+        "explain_oom",
+        "is_oom",
+        "oom_guard",
+        "OOMReport",
+    ),
+    "torchmem.restore": (
+        "get_ref_free_exc_info",
+        "gpu_mem_restore",
+        "gpu_mem_restore_ctx",
+    ),
+    "torchmem.tensors": (
+        "diff",
+        "MemReporter",
+        "TensorDiff",
+        "TensorRecord",
+        "TensorReport",
+    ),
+    "torchmem.trace": (
+        "gpu_mem_trace",
+        "GPUMemTrace",
+        "mem_trace",
+        "MemTrace",
+    ),
+    "torchmem.units": (
+        "b2mb",
+        "parse_size",
+        "readable_size",
+    ),
+}
+"""Module -> the public names it gives the package."""
+
+_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
+
+__all__ = ["__version__", *sorted(_MODULE_OF)]
+
+
+def __getattr__(name: str) -> Any:
+    module = _MODULE_OF.get(name)
+    if module is None:
+        raise AttributeError(f"module 'torchmem' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # the next lookup is a plain one
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
+
+
+if TYPE_CHECKING:
+    from torchmem.courtesy import (
+        Courtesy as Courtesy,
+    )
+    from torchmem.devices import (
+        GPUMemory as GPUMemory,
+        gpu_mem_allocate_mbs as gpu_mem_allocate_mbs,
+        gpu_mem_get as gpu_mem_get,
+        gpu_mem_get_all as gpu_mem_get_all,
+        gpu_mem_get_free as gpu_mem_get_free,
+        gpu_mem_get_free_mbs as gpu_mem_get_free_mbs,
+        gpu_mem_get_free_no_cache as gpu_mem_get_free_no_cache,
+        gpu_mem_get_free_no_cache_mbs as gpu_mem_get_free_no_cache_mbs,
+        gpu_mem_get_total_mbs as gpu_mem_get_total_mbs,
+        gpu_mem_get_used as gpu_mem_get_used,
+        gpu_mem_get_used_fast as gpu_mem_get_used_fast,
+        gpu_mem_get_used_mbs as gpu_mem_get_used_mbs,
+        gpu_mem_get_used_no_cache as gpu_mem_get_used_no_cache,
+        gpu_mem_get_used_no_cache_mbs as gpu_mem_get_used_no_cache_mbs,
+        gpu_mem_leave_free_mbs as gpu_mem_leave_free_mbs,
+        gpu_with_max_free_mem as gpu_with_max_free_mem,
+        nvml_handle as nvml_handle,
+        preload_pytorch as preload_pytorch,
+    )
+    from torchmem.errors import (
+        TorchmemError as TorchmemError,
+    )
+    from torchmem.lines import (
+        DEFAULT_COLUMNS as DEFAULT_COLUMNS,
+        FunctionRecord as FunctionRecord,
+        LineProfiler as LineProfiler,
+        LineRecord as LineRecord,
+        LineReport as LineReport,
+        clear_global_line_profiler as clear_global_line_profiler,
+        profile as profile,
+        profile_every as profile_every,
+        set_target_gpu as set_target_gpu,
+        valid_columns as valid_columns,
+    )
+    from torchmem.meters import (
+        Meter as Meter,
+        TensorMeter as TensorMeter,
+        Window as Window,
+        device_meter as device_meter,
+        meter as meter,
+    )
+    from torchmem.notebook import (
+        load_ipython_extension as load_ipython_extension,
+    )
+    from torchmem.notebook.cells import (
+        CellLogger as CellLogger,
+        CellRecord as CellRecord,
+        IPyGPULogger as IPyGPULogger,
+    )
+    from torchmem.oom import (
+        OOMReport as OOMReport,
+        explain_oom as explain_oom,
+        is_oom as is_oom,
+        oom_guard as oom_guard,
+    )
+    from torchmem.restore import (
+        get_ref_free_exc_info as get_ref_free_exc_info,
+        gpu_mem_restore as gpu_mem_restore,
+        gpu_mem_restore_ctx as gpu_mem_restore_ctx,
+    )
+    from torchmem.tensors import (
+        MemReporter as MemReporter,
+        TensorDiff as TensorDiff,
+        TensorRecord as TensorRecord,
+        TensorReport as TensorReport,
+        diff as diff,
+    )
+    from torchmem.trace import (
+        GPUMemTrace as GPUMemTrace,
+        MemTrace as MemTrace,
+        gpu_mem_trace as gpu_mem_trace,
+        mem_trace as mem_trace,
+    )
+    from torchmem.units import (
+        b2mb as b2mb,
+        parse_size as parse_size,
+        readable_size as readable_size,
+    )

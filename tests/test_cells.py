@@ -28,7 +28,8 @@ from standins import (
     isolated,
 )
 from torchmem import CellLogger, CellRecord, IPyGPULogger
-from torchmem.notebook.cells import Data, register
+from torchmem.notebook.memlog import register
+from torchmem.records.cells import Data
 
 HEADER = re.compile(r"^RAM:\s+Consumed Peaked  Used Total  in \d+\.\d{3}s( \(In \[\d+\]\))?$")
 GEN_ROW = re.compile(r"^Gen: +-?\d+ +\d+ +\d+ MB$")
@@ -351,8 +352,9 @@ def test_seed_name_and_defaults():
 
 
 def test_memlog_magic(ipython, logger, capsys):
-    memlog = register(ipython)
-    assert register(ipython) is memlog  # one logger per shell
+    handle = register(ipython)
+    assert register(ipython) is handle  # one logger per shell
+    memlog = handle.logger
     assert run(ipython, "%memlog on", capsys)[0].startswith("RAM:")
     assert len(run(ipython, "x = torch.zeros(1024, 1024)", capsys)) == 3
     lines = run(ipython, "%memlog compact", capsys)

@@ -51,7 +51,7 @@ from torchmem import (
 )
 from torchmem.cli import main
 from torchmem.devices import GPUInfo, RAMInfo
-from torchmem.render.devices import devices_text
+from torchmem.render.devices import text as devices_text
 
 # Every whole-MB query of one GPU, fastai's names and ipyexperiments' `_mbs` names.
 MB_QUERIES = {

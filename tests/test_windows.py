@@ -97,7 +97,7 @@ def test_many_windows_open_at_once_are_each_exact():
     assert [w.peak() for w in windows] == [10 * MiB] * 5
     for w in reversed(windows):
         w.close()
-    assert torchmem.meters.tensor._get_current_dispatch_mode_stack() == []
+    assert torchmem._compat.dispatch_mode_stack() == []
 
 
 @pytest.mark.parametrize(

@@ -12,6 +12,10 @@ from typing import TYPE_CHECKING, Any
 from torchmem._version import __version__
 
 _EXPORTS = {
+    "torchmem.cells": (
+        "CellLogger",
+        "IPyGPULogger",
+    ),
     "torchmem.courtesy": ("Courtesy",),
     "torchmem.devices": (
         "gpu_mem_allocate_mbs",
@@ -53,12 +57,13 @@ _EXPORTS = {
         "TensorMeter",
         "Window",
     ),
-    "torchmem.notebook": ("load_ipython_extension",),
-    "torchmem.notebook.cells": (
-        "CellLogger",
-        "CellRecord",
-        "IPyGPULogger",
+    "torchmem.notebook": (
+        "load_ipython_extension",
+        "unload_ipython_extension",
     ),
+    "torchmem.records.cells": ("CellRecord",),
+    "torchmem.records.tensors": ("TensorRecord",),
+    "torchmem.resolve": ("resolve_device",),
     "torchmem.oom": (
         "explain_oom",
         "is_oom",
@@ -74,7 +79,6 @@ _EXPORTS = {
         "diff",
         "MemReporter",
         "TensorDiff",
-        "TensorRecord",
         "TensorReport",
     ),
     "torchmem.trace": (
@@ -110,6 +114,10 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:
+    from torchmem.cells import (
+        CellLogger as CellLogger,
+        IPyGPULogger as IPyGPULogger,
+    )
     from torchmem.courtesy import (
         Courtesy as Courtesy,
     )
@@ -157,17 +165,22 @@ if TYPE_CHECKING:
     )
     from torchmem.notebook import (
         load_ipython_extension as load_ipython_extension,
-    )
-    from torchmem.notebook.cells import (
-        CellLogger as CellLogger,
-        CellRecord as CellRecord,
-        IPyGPULogger as IPyGPULogger,
+        unload_ipython_extension as unload_ipython_extension,
     )
     from torchmem.oom import (
         OOMReport as OOMReport,
         explain_oom as explain_oom,
         is_oom as is_oom,
         oom_guard as oom_guard,
+    )
+    from torchmem.records.cells import (
+        CellRecord as CellRecord,
+    )
+    from torchmem.records.tensors import (
+        TensorRecord as TensorRecord,
+    )
+    from torchmem.resolve import (
+        resolve_device as resolve_device,
     )
     from torchmem.restore import (
         get_ref_free_exc_info as get_ref_free_exc_info,
@@ -177,7 +190,6 @@ if TYPE_CHECKING:
     from torchmem.tensors import (
         MemReporter as MemReporter,
         TensorDiff as TensorDiff,
-        TensorRecord as TensorRecord,
         TensorReport as TensorReport,
         diff as diff,
     )

@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from torchmem.meters import _index
-from torchmem.meters.base import parse_device
+from torchmem._compat import storage_key
+from torchmem.resolve import DeviceLike, parse_device, resolve_device
 from torchmem.tensors import tensors_in
 
 
@@ -64,11 +64,13 @@ class Courtesy:
     def __init__(
         self,
         *targets: Any,
-        device: str | int | torch.device | None = None,
-        to: str | int | torch.device = "cpu",
+        device: DeviceLike | None = None,
+        to: DeviceLike = "cpu",
     ) -> None:
         self.targets = targets
-        self.device = None if device is None else parse_device(device)
+        if device is not None:
+            parse_device(device)  # a misspelt device fails here; a missing one on use
+        self.device = device
         self.to = parse_device(to)
         for target in targets:
             _check_target(target)
@@ -144,16 +146,9 @@ class Courtesy:
 
     def _source(self) -> torch.device | None:
         """The device whose tensors move, with its index, or None for nothing."""
-        device = self.device
-        if device is None:
-            if not torch.cuda.is_available():
-                return None
-            device = torch.device("cuda")
-        if device.type in ("cpu", "meta"):
-            return torch.device(device.type)
-        if hasattr(torch, device.type) and hasattr(getattr(torch, device.type), "is_available"):
-            return torch.device(device.type, _index(device, str(device)))
-        return device
+        if self.device is None and not torch.cuda.is_available():
+            return None
+        return resolve_device(self.device)
 
     def _live(self) -> Iterator[torch.Tensor]:
         for ref, _ in self._moved:
@@ -231,7 +226,7 @@ def _by_storage(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
     groups: dict[tuple[str, int], list[torch.Tensor]] = {}
     for tensor in tensors:
         storage = tensor.untyped_storage()
-        groups.setdefault((str(storage.device), storage._cdata), []).append(tensor)
+        groups.setdefault((str(storage.device), storage_key(storage)), []).append(tensor)
     return list(groups.values())
 
 

@@ -11,27 +11,41 @@ from __future__ import annotations
 
 import gc
 import operator
-from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import psutil
 import torch
 
 from torchmem.errors import TorchmemError
-from torchmem.meters import device_meter, meter
-from torchmem.meters import nvml as _nvml
+from torchmem.meters import device_meter, meter, nvml
+from torchmem.records.devices import GPUInfo, GPUMemory, RAMInfo
+from torchmem.resolve import resolve_device
 from torchmem.units import MB, b2mb
 
-
-class GPUMemory(NamedTuple):
-    """Memory of one GPU in whole MB (MiB), all processes together."""
-
-    total: int
-    """Total memory, MB."""
-    free: int
-    """Free memory, MB."""
-    used: int
-    """Used memory, MB."""
+__all__ = [
+    "GPUInfo",
+    "GPUMemory",
+    "RAMInfo",
+    "gpu_info",
+    "gpu_mem_allocate_mbs",
+    "gpu_mem_get",
+    "gpu_mem_get_all",
+    "gpu_mem_get_free",
+    "gpu_mem_get_free_mbs",
+    "gpu_mem_get_free_no_cache",
+    "gpu_mem_get_free_no_cache_mbs",
+    "gpu_mem_get_total_mbs",
+    "gpu_mem_get_used",
+    "gpu_mem_get_used_fast",
+    "gpu_mem_get_used_mbs",
+    "gpu_mem_get_used_no_cache",
+    "gpu_mem_get_used_no_cache_mbs",
+    "gpu_mem_leave_free_mbs",
+    "gpu_with_max_free_mem",
+    "nvml_handle",
+    "preload_pytorch",
+    "ram_info",
+]
 
 
 def gpu_mem_get(id: int | None = None) -> GPUMemory:
@@ -93,7 +107,7 @@ def gpu_mem_get_used_fast(gpu_handle: Any) -> int:
     """
     if gpu_handle is None:
         return 0
-    return b2mb(_nvml.memory(gpu_handle)[2])
+    return b2mb(nvml.memory(gpu_handle)[2])
 
 
 def nvml_handle(id: int | None = None) -> Any | None:
@@ -185,40 +199,7 @@ gpu_mem_get_used_mbs = gpu_mem_get_used
 gpu_mem_get_used_no_cache_mbs = gpu_mem_get_used_no_cache
 
 
-# Records for reports -----------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class GPUInfo:
-    """One GPU as the ``devices`` report shows it. Sizes in bytes."""
-
-    index: int
-    """Torch's CUDA device index."""
-    name: str
-    total: int
-    """Total memory of the device."""
-    used: int
-    """Used memory of the whole device, all processes."""
-    free: int
-    """Free memory of the whole device."""
-    allocated: int
-    """Bytes in this process's tensors (``torch.cuda.memory_allocated``)."""
-    reserved: int
-    """Bytes this process's caching allocator holds (``torch.cuda.memory_reserved``)."""
-    source: str
-    """Where total, used and free come from: ``"nvml"`` or ``"cuda"`` (``mem_get_info``)."""
-
-
-@dataclass(frozen=True)
-class RAMInfo:
-    """Host memory. Sizes in bytes."""
-
-    process: int
-    """Resident memory of this process (RSS)."""
-    total: int
-    """Total memory of the machine."""
-    available: int
-    """Memory available to new processes without swapping."""
+# The devices report ---------------------------------------------------------------------
 
 
 def gpu_info() -> list[GPUInfo]:
@@ -254,17 +235,13 @@ def _gpu_count() -> int:
 
 def _valid_index(id: object) -> int | None:
     """`id` as a visible CUDA device index (None means current), or None if invalid."""
-    if not torch.cuda.is_available():
+    if not torch.cuda.is_available() or isinstance(id, bool):
         return None
-    if id is None:
-        return torch.cuda.current_device()
-    if isinstance(id, bool):
+    try:  # ints, and numpy ints as older code passes them; no device strings
+        device = resolve_device(None if id is None else operator.index(id))  # type: ignore[call-overload]
+    except (TypeError, ValueError):
         return None
-    try:
-        index = operator.index(id)  # ints, and numpy ints as older code passes them
-    except TypeError:
-        return None
-    return index if 0 <= index < _gpu_count() else None
+    return device.index
 
 
 def _device_bytes(id: object) -> tuple[int, int, int] | None:

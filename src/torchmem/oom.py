@@ -11,14 +11,16 @@ import contextlib
 import re
 import sys
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from typing import TextIO
 
 import psutil
 import torch
 
-from torchmem.tensors import MemReporter, TensorRecord
-from torchmem.units import parse_size, readable_size
+from torchmem.records.oom import Hint, OOMRecord
+from torchmem.records.tensors import TensorRecord
+from torchmem.resolve import DeviceLike, parse_device, resolve_device
+from torchmem.tensors import MemReporter
+from torchmem.units import parse_size
 
 _OOM_MESSAGES = ("out of memory", "can't allocate memory")  # CUDA and MPS; the CPU allocator
 _TRIED = re.compile(r"[Tt]ried to allocate (\d+(?:\.\d+)?\s*[KMGTP]?i?B)")
@@ -42,40 +44,19 @@ def is_oom(exc: BaseException) -> bool:
     )
 
 
-@dataclass(frozen=True)
-class OOMReport:
-    """What :func:`explain_oom` found. Sizes in bytes; ``None`` where not known."""
-
-    device: str
-    """The device that ran out: ``"cuda:0"``, ``"mps"``, ``"cpu"``."""
-    requested: int | None
-    """The bytes the failed allocation asked for, as the error message says."""
-    total: int | None
-    """The device's memory (for ``"cpu"``, the machine's RAM)."""
-    free: int | None
-    """What the device has free now, for all processes (for ``"cpu"``, available RAM)."""
-    allocated: int | None
-    """Bytes in tensors, by PyTorch's caching allocator (GPUs only)."""
-    reserved: int | None
-    """Bytes the caching allocator holds, in tensors or cached (GPUs only)."""
-    largest: tuple[TensorRecord, ...]
-    """The largest live tensors on the device, biggest first, named as
-    :class:`torchmem.MemReporter` names them; each storage once."""
-    history: int
-    """Bytes of live tensors on the device that carry autograd history (a ``grad_fn``):
-    they keep what backward needs alive."""
-    hints: tuple[str, ...]
-    """What to try, following from the numbers above."""
+class OOMReport(OOMRecord):
+    """What :func:`explain_oom` found (see :class:`~torchmem.records.oom.OOMRecord` for the
+    fields); prints as the report."""
 
     def __str__(self) -> str:
-        from torchmem.render.oom import oom_text
+        from torchmem.render import oom
 
-        return oom_text(self)
+        return oom.text(self)
 
 
 def explain_oom(
     exc: BaseException,
-    device: str | torch.device | None = None,
+    device: DeviceLike | None = None,
     *,
     model: torch.nn.Module | None = None,
     objects: Callable[[], Iterable[object]] | None = None,
@@ -96,18 +77,18 @@ def explain_oom(
             everything the garbage collector tracks.
     """
     message = str(exc)
-    name = str(device) if device is not None else _device_of(message)
+    where = parse_device(device if device is not None else _device_of(message))
     requested = _requested(message)
     total = free = allocated = reserved = None
-    kind = torch.device(name).type
-    if kind == "cuda" and torch.cuda.is_available():
-        index = torch.device(name).index or 0
-        free, total = torch.cuda.mem_get_info(index)
-        allocated = torch.cuda.memory_allocated(index)
-        reserved = torch.cuda.memory_reserved(index)
-    elif kind == "cpu":
+    if where.type == "cuda" and torch.cuda.is_available():
+        where = resolve_device(where)  # index-less: the current GPU
+        free, total = torch.cuda.mem_get_info(where)
+        allocated = torch.cuda.memory_allocated(where)
+        reserved = torch.cuda.memory_reserved(where)
+    elif where.type == "cpu":
         ram = psutil.virtual_memory()
         total, free = ram.total, ram.available
+    name = str(where)
     records = MemReporter(model, objects=objects).snapshot(name)
     counted = [r for r in records if r.nbytes]  # a view's bytes are its base's
     largest = tuple(sorted(counted, key=lambda r: r.nbytes, reverse=True)[:LARGEST])
@@ -144,29 +125,17 @@ def _hints(
     allocated: int | None,
     reserved: int | None,
     history: int,
-) -> tuple[str, ...]:
+) -> tuple[Hint, ...]:
     hints = []
     if requested is not None and total is not None and requested > total:
-        hints.append(
-            f"The request alone ({readable_size(requested)}) is larger than the whole device"
-            f" ({readable_size(total)}): a shape is probably wrong, or this work must be"
-            " split (smaller batch, chunks)."
-        )
+        hints.append(Hint("request_too_large", requested))
     if allocated is not None and reserved is not None and reserved > 0:
         idle = reserved - allocated
         if idle > FRAGMENTED * reserved:
-            hints.append(
-                f"{readable_size(idle)} is reserved but unallocated (fragmentation): set"
-                " PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True before starting Python."
-            )
-    hints.append("Use a smaller batch size.")
+            hints.append(Hint("fragmentation", idle))
+    hints.append(Hint("smaller_batch"))
     if history:
-        hints.append(
-            f"{readable_size(history)} is in tensors with autograd history. Evaluating? Run"
-            " it under torch.no_grad() (or torch.inference_mode()). Training? Activation"
-            " checkpointing (torch.utils.checkpoint) or mixed precision (torch.autocast)"
-            " keeps less for backward."
-        )
+        hints.append(Hint("autograd_history", history))
     return tuple(hints)
 
 

@@ -17,52 +17,18 @@ from __future__ import annotations
 import gc
 import weakref
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from torchmem.meters.base import parse_device
-from torchmem.meters.tensor import _COMPONENTS
+from torchmem._compat import is_traceable_wrapper_subclass, storage_key
+from torchmem.meters.tensor import SPARSE_COMPONENTS
+from torchmem.records.tensors import TensorRecord
+from torchmem.resolve import DeviceLike, parse_device
 
 CUDA_BLOCK = 512
 """CUDA's caching allocator hands out blocks in multiples of this many bytes."""
-
-
-@dataclass(frozen=True)
-class TensorRecord:
-    """One live tensor, as one report saw it."""
-
-    name: str
-    """Parameter or buffer name(s) joined with ``+``, ``<name>.grad``,
-    ``<Optimizer>.<param>.<state key>``, or ``Tensor<n>`` / ``Parameter<n>`` (numbered
-    afresh in each report)."""
-    device: str
-    """``str(tensor.device)``: ``"cpu"``, ``"cuda:0"``, ``"meta"``."""
-    shape: tuple[int | str, ...] | None
-    """``tuple(tensor.size())`` (a symbolic size as text, e.g. a jagged ``"j1"``); None
-    where the tensor has no single size (a strided nested tensor)."""
-    dtype: str
-    """``str(tensor.dtype)``, e.g. ``"torch.float32"``."""
-    layout: str
-    """``str(tensor.layout)``, e.g. ``"torch.strided"``, ``"torch.sparse_csr"``."""
-    kind: str
-    """The tensor's class name: ``"Tensor"``, ``"Parameter"``, a subclass's name."""
-    numel: int
-    """Elements held: ``numel()``; for a sparse tensor, the elements of its index and
-    value tensors."""
-    nbytes: int
-    """Bytes counted for this tensor, in bytes: its storages that no tensor listed
-    before it holds (rounded up to 512 each on CUDA); 0 when it shares them all, or on
-    ``meta``."""
-    owner: str | None = None
-    """Name of the tensor counted for this tensor's storage, when it shares it."""
-    note: str | None = None
-    """Why the tensor could not be sized (its ``nbytes`` is then 0); None when it was."""
-    tensor: Callable[[], torch.Tensor | None] | None = field(
-        default=None, repr=False, compare=False
-    )
-    """A weak reference to the tensor itself (None if it takes none), for :func:`diff`."""
 
 
 @dataclass(frozen=True)
@@ -80,22 +46,22 @@ class TensorReport:
     """Show tensors that share a storage with one listed before them."""
 
     def __str__(self) -> str:
-        from torchmem.render.tensors import tensors_text
+        from torchmem.render import tensors
 
-        return tensors_text(self.records, self.allocated, self.verbose)
+        return tensors.text(self.records, self.allocated, self.verbose)
 
     __repr__ = __str__
 
     def _repr_html_(self) -> str:
-        from torchmem.render.tensors import tensors_html
+        from torchmem.render import tensors
 
-        return tensors_html(self.records, self.allocated, self.verbose)
+        return tensors.html(self.records, self.allocated, self.verbose)
 
     def to_dataframe(self) -> Any:
         """One row per record (shared ones too); needs pandas."""
-        from torchmem.render.tensors import tensors_dataframe
+        from torchmem.render import tensors
 
-        return tensors_dataframe(self.records)
+        return tensors.dataframe(self.records)
 
 
 @dataclass(frozen=True)
@@ -108,9 +74,9 @@ class TensorDiff:
     """Tensors of the first snapshot gone since, named as it named them."""
 
     def __str__(self) -> str:
-        from torchmem.render.tensors import diff_text
+        from torchmem.render import tensors
 
-        return diff_text(self)
+        return tensors.diff_text(self.appeared, self.disappeared)
 
     __repr__ = __str__
 
@@ -181,7 +147,7 @@ class MemReporter:
         if not any(o is optimizer for o in self.optimizers):
             self.optimizers.append(optimizer)
 
-    def snapshot(self, device: str | int | torch.device | None = None) -> list[TensorRecord]:
+    def snapshot(self, device: DeviceLike | None = None) -> list[TensorRecord]:
         """The live tensors now, one record each (shared ones too), in report order;
         only those on `device` when given (``"cuda"`` matches every CUDA device)."""
         # Every record made would otherwise trigger collections, full ones included, that
@@ -194,9 +160,7 @@ class MemReporter:
             if collecting:
                 gc.enable()
 
-    def display(
-        self, verbose: bool = False, device: str | int | torch.device | None = None
-    ) -> TensorReport:
+    def display(self, verbose: bool = False, device: DeviceLike | None = None) -> TensorReport:
         """A report of the live tensors now, as text (``str``) or HTML (Jupyter).
 
         Args:
@@ -207,21 +171,19 @@ class MemReporter:
         records = self.snapshot(device)
         return TensorReport(tuple(records), _allocated(records), verbose)
 
-    def report(self, verbose: bool = False, device: str | int | torch.device | None = None) -> None:
+    def report(self, verbose: bool = False, device: DeviceLike | None = None) -> None:
         """Print :meth:`display` in pytorch_memlab's layout: per device the tensors,
         ``Total Tensors`` (the sum of their element counts) and ``Used Memory``, and on
         CUDA the allocator's ``memory_allocated`` beside it."""
         print(self.display(verbose, device), end="")
 
-    def to_dataframe(self, device: str | int | torch.device | None = None) -> Any:
+    def to_dataframe(self, device: DeviceLike | None = None) -> Any:
         """:meth:`snapshot` as a pandas DataFrame, one row per tensor."""
-        from torchmem.render.tensors import tensors_dataframe
+        from torchmem.render import tensors
 
-        return tensors_dataframe(self.snapshot(device))
+        return tensors.dataframe(self.snapshot(device))
 
-    def diff(
-        self, before: Sequence[TensorRecord], device: str | int | torch.device | None = None
-    ) -> TensorDiff:
+    def diff(self, before: Sequence[TensorRecord], device: DeviceLike | None = None) -> TensorDiff:
         """The tensors that appeared and disappeared since snapshot `before`."""
         return diff(before, self.snapshot(device))
 
@@ -233,7 +195,7 @@ class _Unsized(Exception):
     """A tensor whose memory PyTorch does not expose."""
 
 
-def _collect(reporter: MemReporter, device: str | int | torch.device | None) -> list[TensorRecord]:
+def _collect(reporter: MemReporter, device: DeviceLike | None) -> list[TensorRecord]:
     if reporter.pre_collect:
         gc.collect()
     found = _Found()
@@ -329,7 +291,7 @@ class _Found:
                 except Exception:  # a functorch wrapper (vmap, grad): said below
                     pass
                 else:
-                    storages = [(storage._cdata, storage.nbytes())]
+                    storages = [(storage_key(storage), storage.nbytes())]
                     shape: tuple[int | str, ...] | None = tuple(tensor.shape)
             if storages is None:
                 try:
@@ -394,9 +356,7 @@ def _storages(tensor: torch.Tensor) -> Iterable[tuple[int, int]]:
     """``(storage identity, bytes)`` of each storage holding `tensor`'s memory: one for
     a strided tensor, one per index and value component of a sparse one, the inner
     tensors' of a wrapper subclass (a jagged nested tensor, a DTensor)."""
-    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
-
-    components = _COMPONENTS.get(tensor.layout)
+    components = SPARSE_COMPONENTS.get(tensor.layout)
     if components is not None:
         for name in components:
             yield from _storages(getattr(tensor, name)())
@@ -410,16 +370,14 @@ def _storages(tensor: torch.Tensor) -> Iterable[tuple[int, int]]:
         return
     try:
         storage = tensor.untyped_storage()
-        # The StorageImpl's address: unique while the tensor is alive, unlike data_ptr(),
-        # which is 0 for every meta tensor and every empty one.
-        yield storage._cdata, storage.nbytes()
+        yield storage_key(storage), storage.nbytes()
     except Exception as exc:  # mkldnn, opaque subclasses: no storage
         message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         raise _Unsized(f"no storage: {type(exc).__name__}: {message}") from None
 
 
 def _numel(tensor: torch.Tensor) -> int:
-    components = _COMPONENTS.get(tensor.layout)
+    components = SPARSE_COMPONENTS.get(tensor.layout)
     if components is not None:
         return sum(_numel(getattr(tensor, name)()) for name in components)
     return tensor.numel()

@@ -11,9 +11,8 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import Any, TypeVar, overload
 
-import torch
-
 from torchmem.meters import Window, meter
+from torchmem.resolve import DeviceLike
 from torchmem.units import b2mb
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -65,7 +64,7 @@ class MemTrace:
         silent: bool = False,
         ctx: str | None = None,
         on_exit_report: bool = True,
-        device: str | int | torch.device | None = None,
+        device: DeviceLike | None = None,
     ) -> None:
         self.meter = meter(device)
         """The meter traced."""
@@ -143,16 +142,18 @@ class MemTrace:
         self._silent = bool(value)
 
     def __repr__(self) -> str:
-        used, peaked = self.data()
-        return f"△Used Peaked MB: {used:6,.0f} {peaked:6,.0f}"
+        from torchmem.render import trace
+
+        return trace.text(*self.data())
 
     def report(self, subctx: str | None = None) -> None:
         """Print delta used and peaked in MB, with `ctx` and `subctx` as a note, unless
         silent: ``△Used Peaked MB:     10      5 (ctx: subctx)``."""
         if self._silent:
             return
-        notes = [note for note in (self.ctx, subctx) if note]
-        print(repr(self) + (f" ({': '.join(notes)})" if notes else ""))
+        from torchmem.render import trace
+
+        print(trace.text(*self.data(), notes=(self.ctx or "", subctx or "")))
 
     def report_n_reset(self, subctx: str | None = None) -> None:
         """:meth:`report`, then :meth:`reset`."""
@@ -183,12 +184,10 @@ class MemTrace:
 @overload
 def mem_trace(func: F) -> F: ...
 @overload
-def mem_trace(*, device: str | int | torch.device | None = None) -> Callable[[F], F]: ...
+def mem_trace(*, device: DeviceLike | None = None) -> Callable[[F], F]: ...
 
 
-def mem_trace(
-    func: F | None = None, *, device: str | int | torch.device | None = None
-) -> F | Callable[[F], F]:
+def mem_trace(func: F | None = None, *, device: DeviceLike | None = None) -> F | Callable[[F], F]:
     """Decorator: trace every call of a function and report ``(qualname: exit)``; also
     ``gpu_mem_trace``.
 

@@ -7,7 +7,7 @@ import dataclasses
 import json
 
 from torchmem.devices import gpu_info, ram_info
-from torchmem.render.devices import devices_text
+from torchmem.render.devices import text as devices_text
 
 
 def add_parser(commands: argparse._SubParsersAction, name: str) -> None:

@@ -16,8 +16,6 @@ from __future__ import annotations
 import threading
 from types import TracebackType
 
-import torch
-
 from torchmem.errors import TorchmemError
 
 
@@ -189,9 +187,14 @@ class Window:
         The same as reading :meth:`peak` for each of the meter's stats and then calling
         :meth:`restart`, in one step: nothing that happens in between is lost.
         """
+        return self.lap_with_counters()[0]
+
+    def lap_with_counters(self) -> tuple[dict[str, int], dict[str, int]]:
+        """:meth:`lap`, and the meter's :meth:`Meter.counters` at the restart, in one step:
+        what happened during the period is the difference of two such readings."""
         if self.closed:
             raise TorchmemError(f"cannot restart a closed window on {self.meter!r}")
-        return self.meter._lap(self)[0]
+        return self.meter._lap(self)
 
     def close(self) -> None:
         """Stop watching and freeze :meth:`peak`. Closing twice is harmless."""
@@ -269,25 +272,3 @@ class SampledMeter(Meter):
             self._stop_sampling.set()
         if sampler is not threading.current_thread():
             sampler.join()
-
-
-def parse_device(device: str | int | torch.device) -> torch.device:
-    """A device as PyTorch users write it (``"cuda:1"``, ``1``, ``torch.device("cpu")``).
-
-    Raises:
-        ValueError: naming the value, if PyTorch does not know it as a device.
-    """
-    if isinstance(device, torch.device):
-        return device
-    if isinstance(device, int) and not isinstance(device, bool):
-        if device < 0:
-            raise ValueError(f"invalid device {device!r}: a device index cannot be negative")
-        return torch.device("cuda", device)
-    if isinstance(device, str):
-        try:
-            return torch.device(device)
-        except RuntimeError as exc:
-            raise ValueError(f"invalid device {device!r}: {exc}") from None
-    raise ValueError(
-        f"invalid device {device!r}: expected a string like 'cuda:0', an index or a torch.device"
-    )

@@ -24,23 +24,31 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import (
-    TorchDispatchMode,
-    _get_current_dispatch_mode_stack,
-    _pop_mode,
-    _push_mode,
-)
 
-from torchmem.meters.base import Meter, Window, parse_device
+from torchmem._compat import (
+    DispatchMode,
+    disable_dynamo,
+    dispatch_mode_stack,
+    keep_dynamo_out,
+    lock_is_owned,
+    op_callable,
+    pop_mode,
+    push_mode,
+    storage_key,
+)
+from torchmem.meters.base import Meter, Window
+from torchmem.resolve import DeviceLike, parse_device, resolve_device
 
 _LIFT_FRESH = torch.ops.aten.lift_fresh.default
-_COMPONENTS = {
+SPARSE_COMPONENTS = {
     torch.sparse_coo: ("_indices", "_values"),
     torch.sparse_csr: ("crow_indices", "col_indices", "values"),
     torch.sparse_bsr: ("crow_indices", "col_indices", "values"),
     torch.sparse_csc: ("ccol_indices", "row_indices", "values"),
     torch.sparse_bsc: ("ccol_indices", "row_indices", "values"),
 }
+"""For each sparse layout, the methods giving its component tensors (indices, values),
+each with a storage of its own."""
 
 
 class TensorMeter(Meter):
@@ -63,9 +71,9 @@ class TensorMeter(Meter):
     _log_limit = 4096
     """Fold the log in when it grows longer than this between readings."""
 
-    def __init__(self, device: str | int | torch.device = "cpu") -> None:
+    def __init__(self, device: DeviceLike = "cpu") -> None:
         super().__init__()
-        self._device = _with_index(parse_device(device))
+        self._device = _with_index(device)
         self.device = str(self._device)
         self._used = 0
         self._peak = 0
@@ -83,7 +91,7 @@ class TensorMeter(Meter):
         return self._used
 
     def counters(self) -> dict[str, int]:
-        if self._lock._is_owned():  # inside a step of the meter, which folded the log
+        if lock_is_owned(self._lock):  # inside a step of the meter, which folded the log
             return self._counters()
         with self._lock:
             self._fold_log()
@@ -163,7 +171,7 @@ class TensorMeter(Meter):
 
     def _count(self, storage: torch.UntypedStorage, nbytes: int) -> None:
         """Count `nbytes` more on `storage`, and take them off when it dies."""
-        key = storage._cdata
+        key = storage_key(storage)
         ref = self._live.get(key)
         if ref is None:
             ref = _Ref(storage, self._on_freed)
@@ -185,7 +193,7 @@ class TensorMeter(Meter):
     def _settle(self) -> None:
         """Fold the log in, unless this thread is inside a step of the meter (which holds
         the lock, and folded the log when it began)."""
-        if not self._lock._is_owned():
+        if not lock_is_owned(self._lock):
             with self._lock:
                 self._fold_log()
 
@@ -220,7 +228,7 @@ class TensorMeter(Meter):
         else:
             storages = _storages(tensor)
         for storage in storages:
-            if storage._cdata in self._live or (owned_only and not storage.resizable()):
+            if storage_key(storage) in self._live or (owned_only and not storage.resizable()):
                 continue
             nbytes = storage.nbytes()
             if nbytes:
@@ -238,7 +246,7 @@ class TensorMeter(Meter):
         """`storage` held `nbytes` before an operator that wrote to `tensor` (resize_, out=)
         made it larger: count the growth if `tensor` still uses it."""
         grown = tensor.untyped_storage()
-        if grown._cdata == storage._cdata and tensor.device == self._device:
+        if storage_key(grown) == storage_key(storage) and tensor.device == self._device:
             self._count(grown, grown.nbytes() - nbytes)
 
 
@@ -248,7 +256,7 @@ class _Ref(weakref.ref):
     __slots__ = ("key", "nbytes")
 
 
-class _WatchMode(TorchDispatchMode):
+class _WatchMode(DispatchMode):
     """Sees every operator in its thread and reports new storages to the meter."""
 
     def __init__(self, meter: TensorMeter) -> None:
@@ -256,12 +264,6 @@ class _WatchMode(TorchDispatchMode):
         self.meter = meter
         self.active = True
         self.windows = 0
-
-    @classmethod
-    def _should_skip_dynamo(cls) -> bool:
-        # TorchDispatchMode keeps Dynamo out of __torch_dispatch__ with a wrapper that
-        # costs microseconds per operator; _keep_dynamo_out does it for free instead.
-        return False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         facts = _FACTS.get(id(func))
@@ -294,7 +296,7 @@ class _WatchMode(TorchDispatchMode):
                 meter._returned(fresh, out, args)
             elif out.device == meter._device:
                 storage = out.untyped_storage()
-                if storage._cdata in meter._live:
+                if storage_key(storage) in meter._live:
                     return out
                 for arg in args:
                     if arg is out:
@@ -339,7 +341,7 @@ def _learn(func: Any) -> tuple:
         fresh = _ONE_FRESH
     elif not any(fresh):
         fresh = ()
-    call = func._op if type(func) is torch._ops.OpOverload else func
+    call = op_callable(func)
     facts = _FACTS[id(func)] = (func, call, fresh, mutated)
     return facts
 
@@ -375,7 +377,7 @@ def _tensors(value: object) -> Iterator[torch.Tensor]:
 def _storages(tensor: torch.Tensor) -> Iterator[torch.UntypedStorage]:
     """The storages holding a tensor's memory: one for a strided tensor, one for each
     component (indices, values) of a sparse one, none where PyTorch exposes none."""
-    components = _COMPONENTS.get(tensor.layout)
+    components = SPARSE_COMPONENTS.get(tensor.layout)
     if components is not None:
         for name in components:
             yield from _storages(getattr(tensor, name)())
@@ -386,21 +388,22 @@ def _storages(tensor: torch.Tensor) -> Iterator[torch.UntypedStorage]:
         return
 
 
-def _with_index(device: torch.device) -> torch.device:
-    """Give an index-less accelerator device its index: the current device where the
-    backend is available, else 0 (what fake tensors on that device report)."""
-    if device.index is not None or device.type in ("cpu", "meta"):
-        return device
-    backend = getattr(torch, device.type, None)
-    available = getattr(backend, "is_available", None)
-    if available is not None and available() and hasattr(backend, "current_device"):
-        return torch.device(device.type, backend.current_device())
-    return torch.device(device.type, 0)
+def _with_index(device: DeviceLike) -> torch.device:
+    """`device` with its index, as :func:`~torchmem.resolve_device` gives it where the
+    device exists here; else as written, an index-less one meaning index 0 (what fake
+    tensors on a device this machine lacks report)."""
+    try:
+        return resolve_device(device)
+    except ValueError:
+        parsed = parse_device(device)
+        if parsed.index is not None or parsed.type in ("cpu", "meta"):
+            return parsed
+        return torch.device(parsed.type, 0)
 
 
 def _remove(mode: _WatchMode) -> None:
     """Take `mode` off this thread's dispatch-mode stack, wherever it is in it."""
-    stack = _get_current_dispatch_mode_stack()
+    stack = dispatch_mode_stack()
     if not any(m is mode for m in stack):
         return
     if stack[-1] is mode:
@@ -408,34 +411,15 @@ def _remove(mode: _WatchMode) -> None:
         return
     # Modes the user entered after ours stay, in their order.
     above = []
-    while (top := _pop_mode()) is not mode:
+    while (top := pop_mode()) is not mode:
         above.append(top)
     for other in reversed(above):
-        _push_mode(other)
-
-
-def _keep_dynamo_out(*functions: Any) -> bool:
-    """Mark `functions` so that Dynamo never compiles them nor anything they call, as
-    ``torch._disable_dynamo`` does, but without a wrapper to pay for on every call.
-    False where this version of PyTorch offers no such mark."""
-    try:
-        from torch._C._dynamo.eval_frame import (
-            _FrameAction,
-            _FrameExecStrategy,
-            set_code_exec_strategy,
-        )
-
-        skip = _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.SKIP)
-        for function in functions:
-            set_code_exec_strategy(function.__code__, skip)
-    except (ImportError, AttributeError, TypeError, RuntimeError):
-        return False
-    return True
+        push_mode(other)
 
 
 # __torch_dispatch__ runs inside compiled code (a compiled function's operators reach it),
 # and _freed whenever a storage dies, compiled code included.
-if not _keep_dynamo_out(_WatchMode.__torch_dispatch__, TensorMeter._freed):
-    _WatchMode.__torch_dispatch__ = torch._disable_dynamo(  # type: ignore[method-assign]
-        _WatchMode.__dict__["__torch_dispatch__"], recursive=True
+if not keep_dynamo_out(_WatchMode.__torch_dispatch__, TensorMeter._freed):
+    _WatchMode.__torch_dispatch__ = disable_dynamo(  # type: ignore[method-assign]
+        _WatchMode.__dict__["__torch_dispatch__"]
     )

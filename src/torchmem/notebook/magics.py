@@ -12,11 +12,11 @@ import argparse
 from collections.abc import Callable
 from typing import Any
 
-from torchmem.lines import LineProfiler, LineReport, _default_device, check_columns
+from torchmem.lines import LineProfiler, LineReport
 
 
 class MagicHandle:
-    """What :func:`register` returns: removes the magics it registered.
+    """What registering magics returns: removes the magics registered.
 
     Works as a context manager; removing twice is harmless.
     """
@@ -209,10 +209,7 @@ def _columns(profiler: LineProfiler, extra: list[str], no_defaults: bool) -> tup
         return None
     if no_defaults:
         return tuple(extra)
-    device = profiler.device
-    if device is None:
-        device = _default_device(profiler.target_gpu)
-    return check_columns(None, device) + tuple(extra)
+    return profiler.default_columns + tuple(extra)
 
 
 def _unquote(text: str) -> str:

@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict
-from typing import TYPE_CHECKING, Any
+from dataclasses import asdict, fields
+from typing import Any
 
+from torchmem.records.cells import CellRecord
 from torchmem.units import MB, b2mb
-
-if TYPE_CHECKING:
-    from torchmem.notebook.cells import CellRecord
 
 GEN_LABEL = "Gen:"
 
@@ -26,7 +24,7 @@ def _rows(record: CellRecord) -> list[tuple[str, int, int, int]]:
     ]
 
 
-def cell_text(record: CellRecord) -> str:
+def text(record: CellRecord) -> str:
     """ipygpulogger's report, in whole MB (``b2mb``), one line per row::
 
         RAM: Consumed Peaked  Used Total  in 0.000s (In [4])
@@ -47,7 +45,7 @@ def cell_text(record: CellRecord) -> str:
     return "\n".join(lines)
 
 
-def cell_compact(record: CellRecord) -> str:
+def compact(record: CellRecord) -> str:
     """ipygpulogger's one-line report, in whole MB::
 
     Gen: 45/0/170 MB | GPU: 2467/0/1465 MB | Time 0.000s | (Consumed/Peaked/Used Total)
@@ -61,18 +59,16 @@ def cell_compact(record: CellRecord) -> str:
     return " | ".join(parts)
 
 
-def cells_dataframe(records: Sequence[CellRecord]) -> Any:
-    """One row per cell, every field of :class:`~torchmem.notebook.cells.CellRecord` a
+def dataframe(records: Sequence[CellRecord]) -> Any:
+    """One row per cell, every field of :class:`~torchmem.records.cells.CellRecord` a
     column (bytes and seconds). Needs pandas."""
     import pandas as pd
 
-    from torchmem.notebook.cells import CellRecord
-
-    columns = list(CellRecord.__dataclass_fields__)
+    columns = [field.name for field in fields(CellRecord)]
     return pd.DataFrame([asdict(r) for r in records], columns=columns)
 
 
-def cells_figure(records: Sequence[CellRecord]) -> Any:
+def figure(records: Sequence[CellRecord]) -> Any:
     """A matplotlib figure: for each row (general RAM, then GPU or CPU tensors), the memory
     used after each cell and the peak during it, in MiB, over the cells. Needs matplotlib;
     uses no pyplot state, so it works under any backend."""

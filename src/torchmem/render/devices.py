@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from torchmem.devices import GPUInfo, RAMInfo
+from torchmem.records.devices import GPUInfo, RAMInfo
 from torchmem.render.text import table
 from torchmem.units import readable_size
 
 
-def devices_text(gpus: list[GPUInfo], ram: RAMInfo) -> str:
+def text(gpus: list[GPUInfo], ram: RAMInfo) -> str:
     """Every GPU's memory, then host RAM, as a terminal shows it."""
     lines = []
     if gpus:
@@ -20,7 +20,7 @@ def devices_text(gpus: list[GPUInfo], ram: RAMInfo) -> str:
             for g in gpus
         ]
         headers = ["GPU", "Name", "Total", "Used", "Free", "Allocated", "Reserved"]
-        lines.append(table(headers, rows, left=(1,)))
+        lines += table([headers, *rows], left=(1,))
         sources = {g.source for g in gpus}
         via = "NVML" if sources == {"nvml"} else "torch.cuda.mem_get_info"
         lines.append(

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import html
+import html as markup
 from collections.abc import Sequence
 from typing import Any
 
-from torchmem.lines import FunctionRecord, LineRecord
+from torchmem.records.lines import FunctionRecord, LineRecord
+from torchmem.render.text import table
 from torchmem.units import readable_size
 
 NO_DATA = "No data collected"
@@ -25,7 +26,7 @@ _COLOURS = (
 )
 
 
-def lines_text(functions: Sequence[FunctionRecord], columns: Sequence[str]) -> str:
+def text(functions: Sequence[FunctionRecord], columns: Sequence[str]) -> str:
     """pytorch_memlab's layout: per function a ``## qualname`` header, then one column
     per stat under a header of its dot-separated parts, ``hits``, ``line`` and ``code``."""
     if not functions:
@@ -38,20 +39,13 @@ def _text_table(function: FunctionRecord, columns: Sequence[str]) -> str:
         return NO_DATA
     parts = [column.split(".") for column in columns]
     depth = max(len(p) for p in parts)
-    header = [[*p, *[""] * (depth - len(p))] for p in parts]
-    header += [["hits", *[""] * (depth - 1)], ["line", *[""] * (depth - 1)]]
-    rows = [
-        [*_cells(line, columns), str(line.hits or ""), str(line.lineno)] for line in function.lines
+    header = [*parts, ["hits"], ["line"], ["code"]]
+    rows = [[h[r] if r < len(h) else "" for h in header] for r in range(depth)]
+    rows += [
+        [*_cells(line, columns), str(line.hits or ""), str(line.lineno), line.code]
+        for line in function.lines
     ]
-    widths = [max(len(c) for c in (*h, *(row[i] for row in rows))) for i, h in enumerate(header)]
-    lines = []
-    for r in range(depth):
-        cells = [head[r].rjust(width) for head, width in zip(header, widths, strict=True)]
-        lines.append(" ".join([*cells, "code" if r == 0 else ""]).rstrip())
-    for row, line in zip(rows, function.lines, strict=True):
-        cells = [cell.rjust(width) for cell, width in zip(row, widths, strict=True)]
-        lines.append(" ".join([*cells, line.code]).rstrip())
-    return "\n".join(lines)
+    return "\n".join(table(rows, left=(len(header) - 1,), gap=" "))
 
 
 def _cells(line: LineRecord, columns: Sequence[str]) -> list[str]:
@@ -69,14 +63,14 @@ def _is_bytes(column: str) -> bool:
     return "bytes" in first or first == "rss"
 
 
-def lines_html(functions: Sequence[FunctionRecord], columns: Sequence[str]) -> str:
+def html(functions: Sequence[FunctionRecord], columns: Sequence[str]) -> str:
     """An HTML table per function, with a bar in each stat cell scaled to the column's
     largest value (pytorch_memlab's colours), for Jupyter."""
     if not functions:
         return f"<p>{NO_DATA}</p>"
     blocks = []
     for function in functions:
-        name = html.escape(function.qualname)
+        name = markup.escape(function.qualname)
         title = f'<h3><span style="font-family: monospace">{name}</span></h3>'
         body = _html_table(function, columns) if function.ran else f"<p>{NO_DATA}</p>"
         blocks.append(f"{title}<div>{body}</div>")
@@ -84,7 +78,7 @@ def lines_html(functions: Sequence[FunctionRecord], columns: Sequence[str]) -> s
 
 
 def _html_table(function: FunctionRecord, columns: Sequence[str]) -> str:
-    head = "".join(f"<th>{'<br>'.join(map(html.escape, c.split('.')))}</th>" for c in columns)
+    head = "".join(f"<th>{'<br>'.join(map(markup.escape, c.split('.')))}</th>" for c in columns)
     out = [
         '<table style="border-collapse: collapse">',
         f'<thead><tr style="text-align: left">{head}'
@@ -105,7 +99,7 @@ def _html_table(function: FunctionRecord, columns: Sequence[str]) -> str:
                     f' transparent {width:.1f}%)"'
                 )
             cells.append(f"<td{style}>{_format(column, value)}</td>")
-        code = html.escape(line.code)
+        code = markup.escape(line.code)
         out.append(
             f"<tr>{''.join(cells)}<td>{line.hits or ''}</td><td>{line.lineno}</td>"
             f"<td{_CODE_STYLE}>{code}</td></tr>"
@@ -114,7 +108,7 @@ def _html_table(function: FunctionRecord, columns: Sequence[str]) -> str:
     return "".join(out)
 
 
-def lines_dataframe(functions: Sequence[FunctionRecord]) -> Any:
+def dataframe(functions: Sequence[FunctionRecord]) -> Any:
     """One row per source line: ``function``, ``filename``, ``line``, ``code``, ``hits``,
     then every recorded stat, sorted by name (NaN for lines that never ran)."""
     try:

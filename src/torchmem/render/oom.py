@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from torchmem.oom import OOMReport
-from torchmem.render.tensors import ROW, size_text
+from torchmem.records.oom import Hint, OOMRecord
+from torchmem.render.tensors import rows, size_text
 from torchmem.units import readable_size
 
 
-def oom_text(report: OOMReport) -> str:
-    """A few lines: what was asked, the device's and the allocator's numbers, what to try."""
+def text(report: OOMRecord) -> str:
+    """A few lines: what was asked, the device's and the allocator's numbers, the largest
+    live tensors, what to try."""
     asked = f": tried to allocate {readable_size(report.requested)}" if report.requested else ""
     lines = [f"Out of memory on {report.device}{asked}."]
     if report.total is not None and report.free is not None:
@@ -25,10 +26,36 @@ def oom_text(report: OOMReport) -> str:
         )
     if report.largest:
         lines.append(f"Largest live tensors on {report.device}:")
-        lines.extend(
-            ROW.format(f"  {r.name}", size_text(r.shape), readable_size(r.nbytes))
-            for r in report.largest
+        lines += rows(
+            [(f"  {r.name}", size_text(r.shape), readable_size(r.nbytes)) for r in report.largest]
         )
     lines.append("What to try:")
-    lines.extend(f"- {hint}" for hint in report.hints)
+    lines.extend(f"- {hint_text(hint, report)}" for hint in report.hints)
     return "\n".join(lines)
+
+
+def hint_text(hint: Hint, report: OOMRecord) -> str:
+    """One hint as advice, with the figures of `report` it rests on."""
+    if hint.kind == "request_too_large":
+        return (
+            f"The request alone ({_size(hint.nbytes)}) is larger than the whole device"
+            f" ({_size(report.total)}): a shape is probably wrong, or this work must be"
+            " split (smaller batch, chunks)."
+        )
+    if hint.kind == "fragmentation":
+        return (
+            f"{_size(hint.nbytes)} is reserved but unallocated (fragmentation): set"
+            " PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True before starting Python."
+        )
+    if hint.kind == "autograd_history":
+        return (
+            f"{_size(hint.nbytes)} is in tensors with autograd history. Evaluating? Run"
+            " it under torch.no_grad() (or torch.inference_mode()). Training? Activation"
+            " checkpointing (torch.utils.checkpoint) or mixed precision (torch.autocast)"
+            " keeps less for backward."
+        )
+    return "Use a smaller batch size."
+
+
+def _size(nbytes: int | None) -> str:
+    return "?" if nbytes is None else readable_size(nbytes)

@@ -3,43 +3,49 @@
 from __future__ import annotations
 
 import functools
-import html
+import html as markup
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from torchmem.records.tensors import TensorRecord
+from torchmem.render.text import table
 from torchmem.units import readable_size
 
-if TYPE_CHECKING:
-    from torchmem.tensors import TensorDiff, TensorRecord
-
-ROW = "{:<40s}{:>20s}{:>10s}"
+WIDTHS = (40, 20, 10)
+"""pytorch_memlab's fixed columns: the name left-aligned in 40, the size and the bytes
+right-aligned in 20 and 10; a longer cell overflows."""
 RULE = "-" * 79
+HEADER = ("Element type", "Size", "Used MEM")
 DIFFERS = "Memory differs due to the matrix alignment or invisible gradient buffer tensors"
 
 # A report repeats the same few shapes and sizes: format each once.
 _readable = functools.lru_cache(maxsize=4096)(readable_size)
 
 
-def tensors_text(
+def rows(cells: Sequence[tuple[str, str, str]]) -> list[str]:
+    """(name, size, bytes) cells as lines in pytorch_memlab's fixed columns."""
+    return table(cells, left=(0,), gap="", widths=WIDTHS)
+
+
+def text(
     records: Sequence[TensorRecord], allocated: Mapping[str, int], verbose: bool = False
 ) -> str:
     """pytorch_memlab's layout: a header, then per device (first seen first) its rows,
     ``Total Tensors`` (sum of element counts, shared tensors included) and ``Used
     Memory``, and on CUDA the allocator's count. Without `verbose`, tensors that share a
     storage listed before them are not shown (they add no bytes)."""
-    lines = [ROW.format("Element type", "Size", "Used MEM")]
-    for device, rows in _by_device(records).items():
+    lines = rows([HEADER])
+    for device, group in _by_device(records).items():
         lines += [RULE, f"Storage on {device}"]
-        for r in rows:
-            if r.owner is not None and not verbose:
-                continue
-            lines.append(ROW.format(_name(r), size_text(r.shape), _used(r)))
-        used = sum(r.nbytes for r in rows)
+        lines += rows(
+            [(_name(r), size_text(r.shape), _used(r)) for r in group if r.owner is None or verbose]
+        )
+        used = sum(r.nbytes for r in group)
         lines += [
             RULE,
-            f"Total Tensors: {sum(r.numel for r in rows)} \tUsed Memory: {readable_size(used)}",
+            f"Total Tensors: {sum(r.numel for r in group)} \tUsed Memory: {readable_size(used)}",
         ]
-        lines += [f"{r.name}: not counted, {r.note}" for r in rows if r.note is not None]
+        lines += [f"{r.name}: not counted, {r.note}" for r in group if r.note is not None]
         if device in allocated:
             lines.append(f"The allocated memory on {device}: {readable_size(allocated[device])}")
             if allocated[device] != used:
@@ -75,35 +81,35 @@ def _by_device(records: Sequence[TensorRecord]) -> dict[str, list[TensorRecord]]
     return groups
 
 
-def tensors_html(
+def html(
     records: Sequence[TensorRecord], allocated: Mapping[str, int], verbose: bool = False
 ) -> str:
     """A table per device with the text's rows and totals, for Jupyter."""
     if not records:
         return "<p>No tensors</p>"
     blocks = []
-    for device, rows in _by_device(records).items():
-        used = sum(r.nbytes for r in rows)
+    for device, group in _by_device(records).items():
+        used = sum(r.nbytes for r in group)
         body = "".join(
-            f'<tr><td style="text-align: left">{html.escape(_name(r))}</td>'
-            f"<td>{html.escape(size_text(r.shape))}</td><td>{html.escape(r.dtype)}</td>"
+            f'<tr><td style="text-align: left">{markup.escape(_name(r))}</td>'
+            f"<td>{markup.escape(size_text(r.shape))}</td><td>{markup.escape(r.dtype)}</td>"
             f"<td>{_used(r)}</td></tr>"
-            for r in rows
+            for r in group
             if r.owner is None or verbose
         )
-        foot = f"Total Tensors: {sum(r.numel for r in rows)}, Used Memory: {readable_size(used)}"
+        foot = f"Total Tensors: {sum(r.numel for r in group)}, Used Memory: {readable_size(used)}"
         if device in allocated:
             foot += f"; allocated on {device}: {readable_size(allocated[device])}"
         blocks.append(
-            f"<h4>Storage on {html.escape(device)}</h4>"
+            f"<h4>Storage on {markup.escape(device)}</h4>"
             '<table style="border-collapse: collapse"><thead><tr>'
             "<th>Element type</th><th>Size</th><th>dtype</th><th>Used MEM</th></tr></thead>"
-            f"<tbody>{body}</tbody></table><p>{html.escape(foot)}</p>"
+            f"<tbody>{body}</tbody></table><p>{markup.escape(foot)}</p>"
         )
     return "\n".join(blocks)
 
 
-def tensors_dataframe(records: Sequence[TensorRecord]) -> Any:
+def dataframe(records: Sequence[TensorRecord]) -> Any:
     """One row per tensor: ``name``, ``device``, ``shape``, ``dtype``, ``layout``,
     ``kind``, ``numel``, ``nbytes`` (bytes), ``owner``, ``note``."""
     try:
@@ -122,25 +128,27 @@ def tensors_dataframe(records: Sequence[TensorRecord]) -> Any:
         "owner",
         "note",
     ]
-    rows = [{c: getattr(r, c) for c in columns} for r in records]
-    return pd.DataFrame(rows, columns=columns)
+    data = [{c: getattr(r, c) for c in columns} for r in records]
+    return pd.DataFrame(data, columns=columns)
 
 
-def diff_text(difference: TensorDiff) -> str:
-    """The tensors that appeared (``+``) and disappeared (``-``), in the report's columns,
-    then their counts and bytes."""
-    lines = [ROW.format("Element type", "Size", "Used MEM"), RULE]
-    for sign, records in (("+", difference.appeared), ("-", difference.disappeared)):
-        for r in records:
-            lines.append(
-                ROW.format(f"{sign} {_name(r)} [{r.device}]", size_text(r.shape), _used(r))
-            )
-    added = sum(r.nbytes for r in difference.appeared)
-    removed = sum(r.nbytes for r in difference.disappeared)
+def diff_text(appeared: Sequence[TensorRecord], disappeared: Sequence[TensorRecord]) -> str:
+    """The tensors that `appeared` (``+``) and `disappeared` (``-``) between two snapshots,
+    in the report's columns, then their counts and bytes."""
+    lines = [*rows([HEADER]), RULE]
+    lines += rows(
+        [
+            (f"{sign} {_name(r)} [{r.device}]", size_text(r.shape), _used(r))
+            for sign, group in (("+", appeared), ("-", disappeared))
+            for r in group
+        ]
+    )
+    added = sum(r.nbytes for r in appeared)
+    removed = sum(r.nbytes for r in disappeared)
     lines += [
         RULE,
-        f"Appeared: {len(difference.appeared)} ({readable_size(added)}) \t"
-        f"Disappeared: {len(difference.disappeared)} ({readable_size(removed)})",
+        f"Appeared: {len(appeared)} ({readable_size(added)}) \t"
+        f"Disappeared: {len(disappeared)} ({readable_size(removed)})",
         RULE,
     ]
     return "\n".join(lines) + "\n"

@@ -18,72 +18,13 @@ from __future__ import annotations
 import contextlib
 import gc
 import time
-from collections import namedtuple
-from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
-import torch
-
 from torchmem.errors import TorchmemError
-from torchmem.meters import Meter, Window, device_meter, meter
-from torchmem.units import b2mb
-
-Data = namedtuple(
-    "Data",
-    [
-        "gen_mem_used_delta",
-        "gen_mem_peaked",
-        "gen_mem_used",
-        "gpu_mem_used_delta",
-        "gpu_mem_peaked",
-        "gpu_mem_used",
-        "time_delta",
-    ],
-)
-Data.__doc__ = """The last cell's figures as ipygpulogger gives them: memory in whole MB
-(MiB, truncated like ``b2mb``), ``time_delta`` in seconds. Unpacks into 7 values."""
-
-
-@dataclass(frozen=True)
-class CellRecord:
-    """What one cell used, in bytes and seconds."""
-
-    execution_count: int | None
-    """The cell's number, ``In [n]``; None for a cell IPython gave no number."""
-    gen_used_delta: int
-    """Process resident memory (RSS) after the cell minus before it, bytes."""
-    gen_peaked: int
-    """How far RSS rose during the cell above both its start and its end, bytes; never
-    negative."""
-    gen_used: int
-    """RSS after the cell, bytes."""
-    gpu_used_delta: int
-    """Bytes of GPU tensors (the caching allocator's allocated bytes) after the cell minus
-    before it; CPU tensor bytes where :attr:`gpu_device` is ``"cpu"``."""
-    gpu_peaked: int
-    """How far those bytes rose during the cell above both its start and its end."""
-    gpu_used: int
-    """Used memory of the whole GPU after the cell, every process included (what
-    ``nvidia-smi`` shows), bytes; bytes of live CPU tensors where there is no GPU."""
-    time_delta: float
-    """Seconds the cell ran."""
-    gpu_device: str
-    """What the second row measured: ``"cuda:0"``, ... or ``"cpu"`` (CPU tensors)."""
-    failed: bool = False
-    """True when the cell raised (or did not compile)."""
-
-    def data(self) -> Data:
-        """These figures in ipygpulogger's units: whole MB and seconds."""
-        return Data(
-            b2mb(self.gen_used_delta),
-            b2mb(self.gen_peaked),
-            b2mb(self.gen_used),
-            b2mb(self.gpu_used_delta),
-            b2mb(self.gpu_peaked),
-            b2mb(self.gpu_used),
-            self.time_delta,
-        )
+from torchmem.meters import DeviceMeter, Meter, Window, device_meter, meter
+from torchmem.records.cells import CellRecord, Data
+from torchmem.resolve import resolve_device
 
 
 class CellLogger:
@@ -198,25 +139,25 @@ class CellLogger:
 
     def report(self, record: CellRecord | None = None) -> str:
         """The text printed for `record` (default the last cell), full or compact."""
-        from torchmem.render.cells import cell_compact, cell_text
+        from torchmem.render import cells
 
         record = record if record is not None else self._last()
-        return cell_compact(record) if self.compact else cell_text(record)
+        return cells.compact(record) if self.compact else cells.text(record)
 
     def to_dataframe(self) -> Any:
         """:attr:`history` as a ``pandas.DataFrame``, one row per cell, bytes and seconds
         (pandas must be installed)."""
-        from torchmem.render.cells import cells_dataframe
+        from torchmem.render import cells
 
-        return cells_dataframe(self.history)
+        return cells.dataframe(self.history)
 
     def plot(self) -> Any:
         """A matplotlib ``Figure`` of memory per cell: used after each cell and the peak
         during it, general RAM above, GPU (or CPU tensors) below, in MiB. For the GPU row
         the peak is drawn above the whole device's use. Needs matplotlib."""
-        from torchmem.render.cells import cells_figure
+        from torchmem.render import cells
 
-        return cells_figure(self.history)
+        return cells.figure(self.history)
 
     def _last(self) -> CellRecord:
         if not self.history:
@@ -300,12 +241,11 @@ class CellLogger:
 IPyGPULogger = CellLogger
 
 
-def _choose_meters() -> tuple[Meter, Meter, Any]:
+def _choose_meters() -> tuple[Meter, Meter, DeviceMeter | None]:
     """Process RAM; the current GPU's allocator and the whole device, or CPU tensors."""
-    if torch.cuda.is_available():
-        index = torch.cuda.current_device()
-        return meter("ram"), meter(index), device_meter(index)
-    return meter("ram"), meter("cpu"), None
+    device = resolve_device()
+    whole = device_meter(device.index) if device.type == "cuda" else None
+    return meter("ram"), meter(device), whole
 
 
 def _figures(pool: Meter, window: Window) -> tuple[int, int, int]:
@@ -313,40 +253,3 @@ def _figures(pool: Meter, window: Window) -> tuple[int, int, int]:
     end = pool.used()
     peak = max(window.peak(), end)
     return end - window.start, max(0, peak - max(window.start, end)), end
-
-
-def register(ipython: Any) -> CellLogger:
-    """Define the line magic ``%memlog on|off|compact`` on `ipython` and return the logger
-    it drives (one per shell: calling this again returns the same one).
-
-    ``%memlog on`` starts the three-line report after every cell, ``%memlog compact`` the
-    one-line report, ``%memlog off`` stops; ``%memlog`` alone says which is in force.
-    """
-    from IPython.core.error import UsageError
-
-    existing = ipython.magics_manager.magics["line"].get("memlog")
-    logger = getattr(existing, "logger", None)
-    if isinstance(logger, CellLogger):
-        return logger
-    logger = CellLogger(shell=ipython)
-
-    def memlog(line: str) -> None:
-        """Log memory per cell: ``%memlog on``, ``%memlog compact``, ``%memlog off``."""
-        word = line.strip().lower()
-        if word == "on":
-            logger.compact = False
-            logger.start()
-        elif word == "compact":
-            logger.compact = True
-            logger.start()
-        elif word == "off":
-            logger.stop()
-        elif word == "":
-            mode = "compact" if logger.compact else "on"
-            print(f"memlog: {mode if logger.running else 'off'}")
-        else:
-            raise UsageError(f"%memlog {line.strip()!r}: expected on, off or compact")
-
-    memlog.logger = logger  # type: ignore[attr-defined]
-    ipython.register_magic_function(memlog, "line", "memlog")
-    return logger

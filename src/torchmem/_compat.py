@@ -1,0 +1,241 @@
+"""Every private PyTorch or CPython symbol torchmem uses, behind one door.
+
+Each symbol is looked up once, here, when torchmem first needs PyTorch. Where a release
+lacks it, torchmem falls back to a public way of doing the same thing, or, where there
+is none, the feature that needs it raises :class:`~torchmem.errors.TorchmemError` naming
+the symbol and the PyTorch (or Python) version, and every other feature keeps working.
+:func:`missing` lists what this installation lacks; the test suite checks it is empty
+for the PyTorch it pins.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import operator
+import platform
+import types
+from collections.abc import Callable
+from typing import Any, NoReturn, TypeVar
+
+import torch
+
+from torchmem.errors import TorchmemError
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+_missing: list[str] = []
+
+
+def missing() -> list[str]:
+    """The private symbols torchmem looked for and this installation lacks, by path."""
+    return list(_missing)
+
+
+def lookup(path: str) -> Any:
+    """The object at dotted `path` (a module, then attributes: ``"torch.UntypedStorage._cdata"``),
+    or None, recorded in :func:`missing`, where this installation lacks it."""
+    parts = path.split(".")
+    found: Any = None
+    for i in range(len(parts), 0, -1):
+        try:
+            found = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        for name in parts[i:]:
+            found = getattr(found, name, None)
+        break
+    if found is None:
+        _missing.append(path)
+    return found
+
+
+def unsupported(path: str, feature: str) -> Callable[..., NoReturn]:
+    """A stand-in for the missing `path` that raises, naming it and the versions, when
+    `feature` is used."""
+
+    def fail(*args: object, **kwargs: object) -> NoReturn:
+        raise TorchmemError(
+            f"{feature} needs {path}, which this PyTorch {torch.__version__} (Python"
+            f" {platform.python_version()}) does not have"
+        )
+
+    return fail
+
+
+# Dispatch modes (the tensor meter) -------------------------------------------------------
+
+_DISPATCH = "torch.utils._python_dispatch"
+_TENSOR_METER = "The CPU tensor meter"
+
+
+class _NoDispatchMode:
+    """What the tensor meter's mode derives from where PyTorch has no TorchDispatchMode."""
+
+    def __init__(self) -> None:
+        unsupported(f"{_DISPATCH}.TorchDispatchMode", _TENSOR_METER)()
+
+
+TorchDispatchMode: type = lookup(f"{_DISPATCH}.TorchDispatchMode") or _NoDispatchMode
+"""PyTorch's ``TorchDispatchMode`` (documented, but in a private module)."""
+
+
+class DispatchMode(TorchDispatchMode):  # type: ignore[misc, valid-type]
+    """A ``TorchDispatchMode`` that PyTorch does not wrap in ``torch._disable_dynamo``
+    (a wrapper that costs microseconds per operator): its subclass keeps Dynamo out with
+    :func:`keep_dynamo_out` instead, or with :func:`disable_dynamo` where that fails."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:  # a TorchDispatchMode hook, private in PyTorch
+        return False
+
+
+dispatch_mode_stack: Callable[[], list[Any]] = lookup(
+    f"{_DISPATCH}._get_current_dispatch_mode_stack"
+) or unsupported(f"{_DISPATCH}._get_current_dispatch_mode_stack", _TENSOR_METER)
+"""This thread's dispatch modes, innermost last."""
+
+push_mode: Callable[[Any], None] = lookup(f"{_DISPATCH}._push_mode") or unsupported(
+    f"{_DISPATCH}._push_mode", _TENSOR_METER
+)
+"""Put a mode on this thread's dispatch-mode stack."""
+
+pop_mode: Callable[[], Any] = lookup(f"{_DISPATCH}._pop_mode") or unsupported(
+    f"{_DISPATCH}._pop_mode", _TENSOR_METER
+)
+"""Take the innermost mode off this thread's dispatch-mode stack and return it."""
+
+
+def _has_wrapper_protocol(tensor: object) -> bool:
+    """Public fallback of ``is_traceable_wrapper_subclass``: a tensor subclass that
+    flattens into inner tensors (``__tensor_flatten__`` / ``__tensor_unflatten__``)."""
+    kind = type(tensor)
+    return (
+        isinstance(tensor, torch.Tensor)
+        and kind is not torch.Tensor
+        and hasattr(kind, "__tensor_flatten__")
+        and hasattr(kind, "__tensor_unflatten__")
+    )
+
+
+is_traceable_wrapper_subclass: Callable[[object], bool] = (
+    lookup(f"{_DISPATCH}.is_traceable_wrapper_subclass") or _has_wrapper_protocol
+)
+"""True for a tensor subclass made of inner tensors (a jagged nested tensor, a DTensor)."""
+
+
+def op_callable(func: Any) -> Callable[..., Any]:
+    """What runs operator `func` with one Python call less: an ``OpOverload``'s own
+    ``_op``, else `func` itself."""
+    if type(func) is _OP_OVERLOAD:
+        return getattr(func, "_op", func)  # type: ignore[no-any-return]
+    return func  # type: ignore[no-any-return]
+
+
+_OP_OVERLOAD = lookup("torch._ops.OpOverload")
+
+# Dynamo ---------------------------------------------------------------------------------
+
+
+def disable_dynamo(function: F) -> F:
+    """`function` wrapped so that Dynamo never compiles it nor what it calls
+    (``torch._disable_dynamo(recursive=True)``); unchanged where PyTorch has no Dynamo."""
+    if _DISABLE_DYNAMO is None:
+        return function
+    return _DISABLE_DYNAMO(function, recursive=True)  # type: ignore[no-any-return]
+
+
+_DISABLE_DYNAMO = lookup("torch._disable_dynamo")
+
+_EVAL_FRAME = "torch._C._dynamo.eval_frame"
+
+
+def keep_dynamo_out(*functions: Callable[..., Any]) -> bool:
+    """Mark `functions` so that Dynamo never compiles them nor anything they call, as
+    :func:`disable_dynamo` does but with no wrapper to pay for on every call. False where
+    this PyTorch offers no such mark (use :func:`disable_dynamo` then)."""
+    if _SET_CODE_EXEC_STRATEGY is None or _FRAME_ACTION is None or _FRAME_STRATEGY is None:
+        return False
+    try:
+        skip = _FRAME_STRATEGY(_FRAME_ACTION.SKIP, _FRAME_ACTION.SKIP)
+        for function in functions:
+            _SET_CODE_EXEC_STRATEGY(function.__code__, skip)
+    except (AttributeError, TypeError, RuntimeError):
+        return False
+    return True
+
+
+_SET_CODE_EXEC_STRATEGY = lookup(f"{_EVAL_FRAME}.set_code_exec_strategy")
+_FRAME_ACTION = lookup(f"{_EVAL_FRAME}._FrameAction")
+_FRAME_STRATEGY = lookup(f"{_EVAL_FRAME}._FrameExecStrategy")
+
+# Storages --------------------------------------------------------------------------------
+
+
+def _no_storage_key(storage: torch.UntypedStorage) -> NoReturn:
+    unsupported("torch.UntypedStorage._cdata", "Telling storages apart")()
+
+
+storage_key: Callable[[torch.UntypedStorage], int] = (
+    operator.attrgetter("_cdata")
+    if lookup("torch.UntypedStorage._cdata") is not None
+    else _no_storage_key
+)
+"""A storage's identity while it is alive: the address of its C++ ``StorageImpl``, one
+per storage however many Python objects stand for it (``data_ptr()`` would not do: it is
+0 for every meta tensor and every empty one)."""
+
+# Allocator statistics ------------------------------------------------------------------
+
+
+def nested_memory_stats(backend: types.ModuleType) -> Callable[[int], dict[str, Any]]:
+    """`backend`'s (``torch.cuda``, ``torch.xpu``) ``memory_stats_as_nested_dict``, which
+    skips the flattening that makes ``memory_stats()`` cost ~135 µs; where the backend
+    lacks it (``torch.xpu`` before PyTorch 2.5), ``memory_stats()`` nested here."""
+    nested = getattr(backend, "memory_stats_as_nested_dict", None)
+    if nested is not None:
+        return nested  # type: ignore[no-any-return]
+    flat = backend.memory_stats
+
+    def read(index: int) -> dict[str, Any]:
+        return _nest(flat(index))
+
+    return read
+
+
+def _nest(flat: dict[str, Any]) -> dict[str, Any]:
+    """``{"a.b.c": 1}`` -> ``{"a": {"b": {"c": 1}}}``."""
+    nested: dict[str, Any] = {}
+    for key, value in flat.items():
+        *path, last = key.split(".")
+        level = nested
+        for part in path:
+            level = level.setdefault(part, {})
+        level[last] = value
+    return nested
+
+
+# CPython -------------------------------------------------------------------------------
+
+_RLOCK_IS_OWNED = lookup("_thread.RLock._is_owned")
+
+
+def lock_is_owned(lock: Any) -> bool:
+    """True if this thread holds re-entrant `lock` (``threading.RLock``)."""
+    if _RLOCK_IS_OWNED is None:
+        unsupported("_thread.RLock._is_owned", "The tensor meter")()
+    return _RLOCK_IS_OWNED(lock)  # type: ignore[no-any-return]
+
+
+def _walk_frames(depth: int = 0) -> types.FrameType:
+    """``sys._getframe`` from public parts, for Pythons without it."""
+    frame = inspect.currentframe()
+    for _ in range(depth + 1):
+        frame = frame.f_back if frame is not None else None
+    if frame is None:
+        raise ValueError("call stack is not deep enough")
+    return frame
+
+
+getframe: Callable[[int], types.FrameType] = lookup("sys._getframe") or _walk_frames
+"""The frame `depth` calls above the caller (``sys._getframe``, a CPython detail)."""

@@ -1,0 +1,172 @@
+"""What a line profiler records, and the calls it is measuring: the state its event back
+ends (:mod:`~torchmem.lines.settrace`, :mod:`~torchmem.lines.monitoring`) report to.
+
+Every call of a watched function gets its own peak window on the meter, restarted at each
+line, so a line's peak is exactly the highest use while it ran (the functions it called
+included), and nested, recursive and threaded calls each see their own.
+"""
+
+from __future__ import annotations
+
+import linecache
+import threading
+import types
+from collections.abc import Callable
+from typing import Protocol
+
+from torchmem.lines.columns import with_aliases
+from torchmem.meters import Meter, Window
+from torchmem.records.lines import FunctionRecord, LineRecord
+
+
+class Recording:
+    """A line profiler's watched functions, what their lines recorded, and the calls being
+    measured now. The back ends look functions up by code object and report each call's
+    lines and end to its :class:`Call`."""
+
+    def __init__(self, meter: Callable[[], Meter]) -> None:
+        self.meter = meter
+        """The meter a call starting now is measured with."""
+        self.functions: dict[int, WatchedFunction] = {}
+        """The watched functions, by ``id()`` of their code object."""
+        self.running: dict[object, Call] = {}
+        """The calls being measured, by a key of their back end's choosing (never the
+        frame object under ``sys.settrace``: that would keep its locals alive)."""
+        self.depth: dict[int, int] = {}
+        """Thread -> how many times profiling is enabled in it; empty while disabled."""
+        self.lock = threading.Lock()
+
+
+class Backend(Protocol):
+    """Where a profiler's events come from while it is enabled: made when it is first
+    enabled, stopped when it is last disabled."""
+
+    def enter_thread(self) -> None:
+        """Profiling starts in this thread."""
+
+    def leave_thread(self) -> None:
+        """Profiling stops in this thread."""
+
+    def update(self) -> None:
+        """The watched functions changed."""
+
+    def stop(self) -> None:
+        """Profiling stops everywhere."""
+
+
+class WatchedFunction:
+    """A watched function and what its lines recorded so far."""
+
+    def __init__(self, code: types.CodeType, qualname: str) -> None:
+        self.code = code
+        self.qualname = qualname
+        self.lines: dict[int, LineTally] = {}
+
+    def record(self) -> FunctionRecord:
+        """Every source line of the function, with what it recorded."""
+        code = self.code
+        numbers = [n for _, _, n in code.co_lines() if n is not None]
+        last = max(numbers, default=code.co_firstlineno)
+        span = range(code.co_firstlineno, last + 1)
+        source = {n: linecache.getline(code.co_filename, n) for n in span}
+        if not any(source.values()):  # no source (a REPL, exec'd text): the lines that ran
+            source = {n: "" for n in sorted(self.lines)}
+        rows = []
+        for n, text in source.items():
+            line = self.lines.get(n)
+            hits, stats = (line.hits, with_aliases(line.values)) if line else (0, {})
+            rows.append(LineRecord(n, text.rstrip("\r\n"), hits, stats))
+        return FunctionRecord(self.qualname, code.co_filename, tuple(rows))
+
+
+class LineTally:
+    """What one source line recorded over its runs."""
+
+    __slots__ = ("hits", "values")
+
+    def __init__(self) -> None:
+        self.hits = 0
+        self.values: dict[str, int] = {}
+
+    def add(self, peaks: dict[str, int], start: dict[str, int], end: dict[str, int]) -> None:
+        """One more run of the line: the window's `peaks`, and the meter's counters at
+        its `start` and `end`."""
+        self.hits += 1
+        values = self.values
+        for stat, value in peaks.items():
+            key = _PEAK.get(stat) or _PEAK.setdefault(stat, f"{stat}.peak")
+            if value > values.get(key, -1):
+                values[key] = value
+        for key, value in end.items():
+            change = value - start.get(key, value)
+            delta = _DELTA.get(key)
+            if delta is None:
+                delta = _DELTA.setdefault(key, _delta_key(key))
+            if delta:  # a current value: keep its highest, and add up its changes
+                if value > values.get(key, -1):
+                    values[key] = value
+                key = delta
+            values[key] = values.get(key, 0) + change
+
+
+# Column names, made once per stat rather than on every line.
+_PEAK: dict[str, str] = {}
+_DELTA: dict[str, str] = {}
+
+
+def _delta_key(key: str) -> str:
+    """``"x.current"`` -> ``"x.delta"``; ``""`` for a running total (``allocated``, ``freed``)."""
+    stat, _, part = key.rpartition(".")
+    return f"{stat}.delta" if part == "current" else ""
+
+
+class Call:
+    """One running call of a watched function: its window, and the line it is on."""
+
+    __slots__ = ("function", "key", "line", "meter", "recording", "start", "thread", "window")
+
+    def __init__(self, recording: Recording, function: WatchedFunction, key: object = None) -> None:
+        self.recording = recording
+        self.function = function
+        self.key = self if key is None else key
+        """Its key in :attr:`Recording.running`."""
+        self.thread = threading.get_ident()
+        self.meter: Meter | None = None
+        self.window: Window | None = None
+        self.line = 0
+        self.start: dict[str, int] = {}
+
+    def at_line(self, lineno: int) -> None:
+        """The call reached line `lineno`: charge what happened since the last line to it."""
+        window = self.window
+        if window is None:
+            if not self.recording.depth:  # started before disable(), now just winding down
+                return
+            self.meter = self.recording.meter()
+            self.window = self.meter.window()
+            self.start = self.meter.counters()
+        else:
+            self._charge(*window.lap_with_counters())
+        self.line = lineno
+
+    def end(self) -> None:
+        """The call returned, raised, yielded, or stopped being measured."""
+        self.recording.running.pop(self.key, None)
+        window = self.window
+        if window is None:
+            return
+        self.window = None
+        peaks, end = window.lap_with_counters()
+        window.close()
+        self._charge(peaks, end)
+
+    def _charge(self, peaks: dict[str, int], end: dict[str, int]) -> None:
+        """Charge what happened since the line started (`peaks`, and `end` against the
+        counters at its start) to that line."""
+        lines = self.function.lines
+        with self.recording.lock:
+            line = lines.get(self.line)
+            if line is None:
+                line = lines[self.line] = LineTally()
+            line.add(peaks, self.start, end)
+        self.start = end

@@ -5,6 +5,7 @@ in-process ones with :func:`standins.hide_gpus`, the subprocesses with
 ``CUDA_VISIBLE_DEVICES=""`` (:func:`standins.environ_without_gpu`).
 """
 
+import argparse
 import json
 import os
 import re
@@ -15,11 +16,15 @@ import sys
 import psutil
 import pytest
 
+import torchmem.cli
 from standins import environ_without_gpu, hide_gpus
 from torchmem import __version__
-from torchmem.cli import main
+from torchmem.cli import COMMANDS, main
+from torchmem.errors import CommandError
 
 NO_GPU_LINE = "No CUDA GPU is visible (torch.cuda.is_available() is False)."
+NAMES = [command.name for command in COMMANDS]
+TOP_USAGE = "usage: torchmem [-h] [--version] COMMAND ..."
 
 
 @pytest.fixture
@@ -48,11 +53,24 @@ def test_devices_json(no_gpu, capsys):
     assert 0 < data["ram"]["process"] < data["ram"]["total"]
 
 
-def test_usage_errors_return_2(capsys):
-    assert main([]) == 2
-    assert main(["nope"]) == 2
-    assert main(["devices", "--nope"]) == 2
-    assert "invalid choice: 'nope'" in capsys.readouterr().err
+def test_without_a_command_prints_the_help_listing_every_command(capsys):
+    assert main([]) == 0
+    out, err = capsys.readouterr()
+    assert err == ""
+    lines = out.splitlines()
+    assert lines[0] == TOP_USAGE
+    for command in COMMANDS:
+        assert any(
+            re.fullmatch(rf"\s+{command.name}\s+{re.escape(command.help)}", line) for line in lines
+        )
+
+
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_help_flags_print_that_help(capsys, flag):
+    assert main([]) == 0
+    bare = capsys.readouterr().out
+    assert main([flag]) == 0
+    assert capsys.readouterr() == (bare, "")
 
 
 def test_version_and_help(capsys):
@@ -60,6 +78,93 @@ def test_version_and_help(capsys):
     assert capsys.readouterr().out == f"torchmem {__version__}\n"
     assert main(["devices", "--help"]) == 0
     assert "--json" in capsys.readouterr().out
+
+
+def test_without_argv_reads_the_command_line(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["torchmem", "--version"])
+    assert main() == 0
+    assert capsys.readouterr().out == f"torchmem {__version__}\n"
+
+
+@pytest.mark.parametrize(
+    "argv", [["--bogus"], ["--bogus", "devices"], ["--bogus", "devices", "--json"]]
+)
+def test_an_unknown_option_before_the_command_is_named_under_the_top_usage(capsys, argv):
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.splitlines() == [TOP_USAGE, "torchmem: error: unrecognized arguments: --bogus"]
+
+
+@pytest.mark.parametrize("argv", [["nope"], ["nope", "--json"], ["nope", "devices"]])
+def test_an_unknown_command_is_named_with_the_commands(capsys, argv):
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    usage, error = err.splitlines()
+    assert usage == TOP_USAGE
+    assert error.startswith("torchmem: error: argument COMMAND: invalid choice: 'nope' (choose")
+    assert all(name in error for name in NAMES)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_commands_usage_error_shows_its_own_usage(capsys, name):
+    assert main([name, "--bogus"]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    lines = err.splitlines()
+    assert lines[0].startswith(f"usage: torchmem {name} ")
+    assert lines[-1] == f"torchmem {name}: error: unrecognized arguments: --bogus"
+
+
+@pytest.mark.parametrize("extra", [["--json", "--bogus"], ["bogus"]])
+def test_devices_usage_errors(capsys, extra):
+    assert main(["devices", *extra]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "usage: torchmem devices [-h] [--json]",
+        f"torchmem devices: error: unrecognized arguments: {extra[-1]}",
+    ]
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=NAMES)
+def test_each_command_has_its_own_help(capsys, command):
+    assert main([command.name, "--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: torchmem {command.name} ")
+    assert " ".join(command.description.split()) in " ".join(out.split())
+
+
+class Raising:
+    """A command that raises `error` when run."""
+
+    name = "fail"
+    help = "raise an error"
+    description = "Raise an error."
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+    def prepare_parser(self, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--flag", action="store_true")
+
+    def run(self, args: argparse.Namespace) -> int:
+        raise self.error
+
+
+@pytest.mark.parametrize(
+    ("error", "code"),
+    [(CommandError("no snapshot at x.pickle"), 1), (CommandError("no snapshot at x.pickle", 3), 3)],
+)
+def test_a_command_error_is_one_line_and_its_exit_code(monkeypatch, capsys, error, code):
+    monkeypatch.setattr(torchmem.cli, "COMMANDS", [*COMMANDS, Raising(error)])
+    assert main(["fail", "--flag"]) == code
+    assert capsys.readouterr() == ("", "torchmem fail: error: no snapshot at x.pickle\n")
+
+
+def test_ctrl_c_in_a_command_exits_130_quietly(monkeypatch, capsys):
+    monkeypatch.setattr(torchmem.cli, "COMMANDS", [*COMMANDS, Raising(KeyboardInterrupt())])
+    assert main(["fail"]) == 130
+    assert capsys.readouterr() == ("", "")
 
 
 def test_the_module_runs_without_a_gpu():
@@ -96,3 +201,44 @@ def test_the_installed_script_runs_without_a_gpu():
     )
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["gpus"] == []
+
+
+TORCH_IMPORT = re.compile(r"^import time:.*\|\s+torch(\.\S+)?$", re.MULTILINE)
+"""A line of ``python -X importtime`` that imports torch or one of its submodules."""
+
+
+def import_times(*argv):
+    """Run ``python -X importtime -m torchmem *argv`` where no GPU is visible."""
+    return subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "torchmem", *argv],
+        capture_output=True,
+        text=True,
+        env=environ_without_gpu(),
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("args", "code"),
+    [
+        pytest.param("", 0, id="no-command"),
+        ("--help", 0),
+        ("-h", 0),
+        ("--version", 0),
+        ("devices --help", 0),
+        ("--bogus", 2),
+        ("devices --bogus", 2),
+    ],
+)
+def test_help_version_and_usage_errors_do_not_import_torch(args, code):
+    result = import_times(*args.split())
+    assert result.returncode == code, result.stderr
+    assert TORCH_IMPORT.findall(result.stderr) == []
+
+
+@pytest.mark.slow
+def test_running_a_command_imports_torch():
+    """The check above would see torch: running ``devices`` imports it."""
+    result = import_times("devices")
+    assert result.returncode == 0, result.stderr
+    assert TORCH_IMPORT.search(result.stderr)

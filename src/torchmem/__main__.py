@@ -1,3 +1,8 @@
-from torchmem.cli import run
+"""``python -m torchmem``: the same command line as the ``torchmem`` script."""
 
-run()
+import sys
+
+from torchmem.cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())

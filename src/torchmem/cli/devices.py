@@ -6,25 +6,28 @@ import argparse
 import dataclasses
 import json
 
-from torchmem.devices import gpu_info, ram_info
-from torchmem.render.devices import text as devices_text
+from torchmem.cli.command import Command
 
 
-def add_parser(commands: argparse._SubParsersAction, name: str) -> None:
-    parser = commands.add_parser(
-        name,
-        help="memory of every visible GPU and of this machine",
-        description="Total, used and free memory of every GPU visible to PyTorch (whole "
-        "device, all processes), this process's allocator share, and host RAM.",
+class DevicesCommand(Command):
+    name = "devices"
+    help = "memory of every visible GPU and of this machine"
+    description = (
+        "Total, used and free memory of every GPU visible to PyTorch (whole device, all "
+        "processes), this process's allocator share, and host RAM."
     )
-    parser.add_argument("--json", action="store_true", help="print JSON (sizes in bytes)")
 
+    def prepare_parser(self, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--json", action="store_true", help="print JSON (sizes in bytes)")
 
-def run(args: argparse.Namespace) -> int:
-    gpus, ram = gpu_info(), ram_info()
-    if args.json:
-        data = {"gpus": [dataclasses.asdict(g) for g in gpus], "ram": dataclasses.asdict(ram)}
-        print(json.dumps(data, indent=2))
-    else:
-        print(devices_text(gpus, ram))
-    return 0
+    def run(self, args: argparse.Namespace) -> int:
+        from torchmem.devices import gpu_info, ram_info
+        from torchmem.render import devices
+
+        gpus, ram = gpu_info(), ram_info()
+        if args.json:
+            data = {"gpus": [dataclasses.asdict(g) for g in gpus], "ram": dataclasses.asdict(ram)}
+            print(json.dumps(data, indent=2))
+        else:
+            print(devices.text(gpus, ram))
+        return 0

@@ -470,7 +470,7 @@ def test_preload_pytorch_creates_a_tensor_on_the_device(t4: CudaStandIn) -> None
     assert preload_pytorch() is None
     assert [call["device"] for call in t4.factory_calls] == [
         torch.device("cuda", 1),
-        torch.device("cuda"),
+        torch.device("cuda", 0),  # the current device
     ]
     assert t4.devices("torch.ones") == [1, 0]
     assert torch.cuda.memory_allocated(1) == torch.cuda.memory_allocated(0) == 512

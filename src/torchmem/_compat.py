@@ -80,7 +80,7 @@ TorchDispatchMode: type = lookup(f"{_DISPATCH}.TorchDispatchMode") or _NoDispatc
 """PyTorch's ``TorchDispatchMode`` (documented, but in a private module)."""
 
 
-class DispatchMode(TorchDispatchMode):  # type: ignore[misc, valid-type]
+class DispatchMode(TorchDispatchMode):  # type: ignore[misc]
     """A ``TorchDispatchMode`` that PyTorch does not wrap in ``torch._disable_dynamo``
     (a wrapper that costs microseconds per operator): its subclass keeps Dynamo out with
     :func:`keep_dynamo_out` instead, or with :func:`disable_dynamo` where that fails."""

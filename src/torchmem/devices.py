@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import gc
 import operator
-from typing import Any
+from typing import Any, SupportsIndex, cast
 
 import psutil
 import torch
@@ -134,7 +134,7 @@ def preload_pytorch(device_id: int | None = None) -> None:
     nothing without a GPU.
     """
     if torch.cuda.is_available():
-        torch.ones((1, 1), device=torch.device("cuda", device_id))
+        torch.ones((1, 1), device=resolve_device(device_id))
 
 
 def gpu_mem_allocate_mbs(n: int, fatal: bool = False) -> torch.Tensor | None:
@@ -238,7 +238,7 @@ def _valid_index(id: object) -> int | None:
     if not torch.cuda.is_available() or isinstance(id, bool):
         return None
     try:  # ints, and numpy ints as older code passes them; no device strings
-        device = resolve_device(None if id is None else operator.index(id))  # type: ignore[call-overload]
+        device = resolve_device(None if id is None else operator.index(cast(SupportsIndex, id)))
     except (TypeError, ValueError):
         return None
     return device.index

@@ -18,7 +18,7 @@ import gc
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -233,7 +233,7 @@ def tensors_in(objects: Iterable[object]) -> list[torch.Tensor]:
     # type(), not isinstance(): isinstance() asks the object its __class__, which a dead
     # weak proxy answers with ReferenceError (pytorch_memlab #40) and a deprecated alias
     # with a warning.
-    return [obj for obj in objects if issubclass(type(obj), torch.Tensor)]
+    return cast("list[torch.Tensor]", [o for o in objects if issubclass(type(o), torch.Tensor)])
 
 
 def _storage_bytes(tensor: torch.Tensor) -> int:
@@ -362,7 +362,7 @@ def _storages(tensor: torch.Tensor) -> Iterable[tuple[int, int]]:
             yield from _storages(getattr(tensor, name)())
         return
     if is_traceable_wrapper_subclass(tensor):
-        inner, _ = tensor.__tensor_flatten__()
+        inner, _ = tensor.__tensor_flatten__()  # type: ignore[attr-defined]
         for name in inner:
             value = getattr(tensor, name)
             if isinstance(value, torch.Tensor):

@@ -17,7 +17,9 @@ class Monitoring:
     enabled profiler's recording. Made by the first :meth:`join`, gone after the last
     :meth:`stop`."""
 
-    def __init__(self, tool: int) -> None:
+    def __init__(self, api: Any, tool: int) -> None:
+        self.api = api
+        """``sys.monitoring``."""
         self.tool = tool
         self.recordings: list[Recording] = []
         self.codes: list[types.CodeType] = []
@@ -35,8 +37,8 @@ class Monitoring:
             free = [t for t in (3, 4) if monitoring.get_tool(t) is None]
             if not free:
                 return None
-            _active = cls(free[0])
-            _active._start(monitoring)
+            _active = cls(monitoring, free[0])
+            _active._start()
         _active.recordings.append(recording)
         _active.update()
         return MonitoredRecording(_active, recording)
@@ -48,10 +50,11 @@ class Monitoring:
         self.recordings.remove(recording)
         self.update()
         if not self.recordings and _active is self:
-            self._stop(sys.monitoring)
+            self._stop()
             _active = None
 
-    def _start(self, monitoring: Any) -> None:
+    def _start(self) -> None:
+        monitoring = self.api
         events = monitoring.events
         monitoring.use_tool_id(self.tool, "torchmem")
         for event, callback in (
@@ -66,7 +69,8 @@ class Monitoring:
         # Unwinding is a process-wide event only; it fires when an exception leaves a frame.
         monitoring.set_events(self.tool, events.PY_UNWIND)
 
-    def _stop(self, monitoring: Any) -> None:
+    def _stop(self) -> None:
+        monitoring = self.api
         monitoring.set_events(self.tool, 0)
         for event in (
             monitoring.events.PY_START,
@@ -81,7 +85,7 @@ class Monitoring:
 
     def update(self) -> None:
         """Switch local events on for the code of every recording, off elsewhere."""
-        monitoring = sys.monitoring
+        monitoring = self.api
         events = monitoring.events
         wanted = {id(f.code): f.code for r in self.recordings for f in r.functions.values()}
         local = events.PY_START | events.PY_RESUME | events.LINE | events.PY_RETURN

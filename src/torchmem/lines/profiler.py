@@ -16,7 +16,7 @@ import sys
 import threading
 import types
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, TextIO, TypeVar
+from typing import Any, TextIO, TypeVar, cast
 
 import torch
 
@@ -283,13 +283,14 @@ class LineProfiler:
         return wrapper  # type: ignore[return-value]
 
 
-_Selection = Callable[..., Any] | str | Sequence[Callable[..., Any] | str] | None
+_Selected = Callable[..., Any] | str
+_Selection = _Selected | Sequence[_Selected] | None
 
 
 def _selector(func: _Selection) -> Callable[[WatchedFunction], bool]:
     if func is None:
         return lambda f: True
-    items = list(func) if isinstance(func, (list, tuple)) else [func]
+    items = list(func) if isinstance(func, list | tuple) else [cast(_Selected, func)]
     names = {item for item in items if isinstance(item, str)}
     codes = {id(_code_of(item)) for item in items if not isinstance(item, str)}
     return lambda f: f.qualname in names or id(f.code) in codes

@@ -40,7 +40,7 @@ class TracedCall(Call):
         return self
 
 
-def _hook(recording: Recording, chained: TraceFunction) -> Any:
+def _hook(recording: Recording, chained: TraceFunction) -> TraceFunction:
     """The global trace function for one thread: it traces the watched functions' frames
     and leaves every other frame to `chained`, the tracer that was there before (or to
     none). A plain function, as it runs on every Python call: the cheapest thing to call.
@@ -58,7 +58,6 @@ def _hook(recording: Recording, chained: TraceFunction) -> Any:
                 return call
         return local
 
-    hook.chained = chained  # type: ignore[attr-defined]
     return hook
 
 
@@ -69,20 +68,24 @@ class Settrace:
 
     def __init__(self, recording: Recording) -> None:
         self.recording = recording
-        self.hooks: dict[int, Any] = {}
-        self.thread_hook = _hook(recording, threading.gettrace())
+        self.hooks: dict[int, tuple[TraceFunction, TraceFunction]] = {}
+        """Thread -> (our hook there, the trace function it chains to)."""
+        self.chained = threading.gettrace()
+        self.thread_hook = _hook(recording, self.chained)
         threading.settrace(self.thread_hook)
 
     def enter_thread(self) -> None:
         """Profiling starts in this thread."""
-        hook = self.hooks[threading.get_ident()] = _hook(self.recording, sys.gettrace())
+        chained = sys.gettrace()
+        hook = _hook(self.recording, chained)
+        self.hooks[threading.get_ident()] = hook, chained
         sys.settrace(hook)
 
     def leave_thread(self) -> None:
         """Profiling stops in this thread."""
-        hook = self.hooks.pop(threading.get_ident(), None)
+        hook, chained = self.hooks.pop(threading.get_ident(), (None, None))
         if hook is not None and sys.gettrace() is hook:
-            sys.settrace(hook.chained)
+            sys.settrace(chained)
 
     def update(self) -> None:
         """The watched functions changed: the hooks look them up on every call anyway."""
@@ -90,4 +93,4 @@ class Settrace:
     def stop(self) -> None:
         """Profiling stops everywhere: threads started from now on are not traced."""
         if threading.gettrace() is self.thread_hook:
-            threading.settrace(self.thread_hook.chained)
+            threading.settrace(self.chained)

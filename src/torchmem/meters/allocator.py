@@ -35,11 +35,11 @@ class AllocatorMeter(Meter):
         self._nested_stats = nested_memory_stats(self._backend)
 
     def used(self) -> int:
-        return self._backend.memory_allocated(self._index)
+        return int(self._backend.memory_allocated(self._index))
 
     def reserved(self) -> int:
         """Bytes the caching allocator holds on this device (in tensors or cached)."""
-        return self._backend.memory_reserved(self._index)
+        return int(self._backend.memory_reserved(self._index))
 
     def counters(self) -> dict[str, int]:
         return self._flat(_COUNTERS) or {f"{s}.{p}": 0 for s in self.stats for p in _COUNTERS}

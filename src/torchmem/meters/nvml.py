@@ -21,8 +21,8 @@ import torch
 
 
 @functools.cache
-def nvml() -> ModuleType | None:
-    """The initialised ``pynvml`` module, or None where NVML cannot be used."""
+def nvml() -> Any:
+    """The initialised ``pynvml`` module (untyped), or None where NVML cannot be used."""
     try:
         import pynvml
 

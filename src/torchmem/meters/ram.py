@@ -34,7 +34,7 @@ class RamMeter(SampledMeter):
         self.exact = sys.platform == "linux" and _clear_refs()
 
     def used(self) -> int:
-        return self._process.memory_info().rss
+        return int(self._process.memory_info().rss)
 
     def _peaks(self) -> dict[str, int]:
         if not self.exact:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import itertools
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -224,7 +224,7 @@ class TensorMeter(Meter):
         if tensor.device != self._device:
             return
         if tensor.layout is torch.strided and not owned_only:
-            storages: Iterator[torch.UntypedStorage] | tuple = (tensor.untyped_storage(),)
+            storages: Iterable[torch.UntypedStorage] = (tensor.untyped_storage(),)
         else:
             storages = _storages(tensor)
         for storage in storages:
@@ -234,7 +234,7 @@ class TensorMeter(Meter):
             if nbytes:
                 self._count(storage, nbytes)
 
-    def _returned(self, fresh: tuple[bool, ...], out: Any, args: tuple) -> None:
+    def _returned(self, fresh: tuple[bool, ...], out: Any, args: tuple[Any, ...]) -> None:
         """Count the new storages of the returns flagged in `fresh`."""
         for is_fresh, value in zip(fresh, (out,) if len(fresh) == 1 else out, strict=False):
             if is_fresh:
@@ -250,10 +250,12 @@ class TensorMeter(Meter):
             self._count(grown, grown.nbytes() - nbytes)
 
 
-class _Ref(weakref.ref):
+class _Ref(weakref.ref[torch.UntypedStorage]):
     """A weak reference to a counted storage, with its key and its counted bytes."""
 
     __slots__ = ("key", "nbytes")
+    key: int
+    nbytes: int
 
 
 class _WatchMode(DispatchMode):
@@ -265,14 +267,20 @@ class _WatchMode(DispatchMode):
         self.active = True
         self.windows = 0
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
         facts = _FACTS.get(id(func))
         if facts is None or facts[0] is not func:
             facts = _learn(func)
         _, call, fresh, mutated = facts
         if not self.active:
             return call(*args, **kwargs) if kwargs else call(*args)
-        before = None
+        before: Sequence[tuple[torch.Tensor, torch.UntypedStorage, int]] | None = None
         if mutated:
             first = args[0] if args else None
             if mutated is _SELF and isinstance(first, torch.Tensor) and first.layout is _STRIDED:
@@ -317,11 +325,12 @@ class _WatchMode(DispatchMode):
 _STRIDED = torch.strided
 _ONE_FRESH = (True,)
 _SELF = ((0, "self"),)
-_FACTS: dict[int, tuple] = {}
+_Facts = tuple[Any, Callable[..., Any], tuple[bool, ...], tuple[tuple[int, str], ...]]
+_FACTS: dict[int, _Facts] = {}
 """Per operator, by id: the operator, what to call, `fresh` and `mutated` (see _learn)."""
 
 
-def _learn(func: Any) -> tuple:
+def _learn(func: Any) -> _Facts:
     """For an operator: the callable that runs it (an OpOverload's own ``_op``, one Python
     call less), which returns are new tensors (not aliases of an argument), and the
     position and name of each argument it writes to."""
@@ -342,12 +351,13 @@ def _learn(func: Any) -> tuple:
     elif not any(fresh):
         fresh = ()
     call = op_callable(func)
-    facts = _FACTS[id(func)] = (func, call, fresh, mutated)
+    facts: _Facts = (func, call, fresh, mutated)
+    _FACTS[id(func)] = facts
     return facts
 
 
 def _sizes(
-    mutated: tuple[tuple[int, str], ...], args: tuple, kwargs: dict | None
+    mutated: tuple[tuple[int, str], ...], args: tuple[Any, ...], kwargs: dict[str, Any] | None
 ) -> list[tuple[torch.Tensor, torch.UntypedStorage, int]]:
     """Each strided tensor among the arguments an operator writes to, with its storage
     and the storage's size now."""

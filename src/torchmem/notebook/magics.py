@@ -9,7 +9,6 @@ writes the columns chosen with ``-c`` / ``-D``.
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
 from typing import Any
 
 from torchmem.lines import LineProfiler, LineReport
@@ -196,7 +195,7 @@ def _parse(parser: Any, line: str) -> tuple[Any, str]:
     return args, rest if rest.startswith(words[0]) else " ".join(words)
 
 
-def _lookup(ipython: Any, name: str, error: type[Exception]) -> Callable[..., Any]:
+def _lookup(ipython: Any, name: str, error: type[Exception]) -> Any:
     try:
         return eval(name, ipython.user_global_ns, ipython.user_ns)
     except Exception as exc:

@@ -1,8 +1,23 @@
+"""Fixtures shared by every test module. Sizes (``KiB``, ``MiB``, ``GiB``) and the
+stand-ins for ``torch.cuda`` and NVML live in :mod:`standins`."""
+
+from __future__ import annotations
+
+import gc
+import sys
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
 import pytest
 import torch
 
+from standins import CudaStandIn, hide_gpus, isolated
 
-def pytest_collection_modifyitems(config, items):
+if TYPE_CHECKING:
+    from IPython.core.interactiveshell import InteractiveShell
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Tests marked `cuda` need a real GPU: skip them, with the reason, where there is none."""
     if torch.cuda.is_available():
         return
@@ -13,9 +28,37 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(autouse=True)
-def no_dispatch_mode_left_on():
+def no_dispatch_mode_left_on() -> Iterator[None]:
     """Every test must leave PyTorch's dispatch-mode stack as it found it: empty."""
-    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+    from torchmem._compat import dispatch_mode_stack
 
     yield
-    assert _get_current_dispatch_mode_stack() == [], "a dispatch mode was left on"
+    assert dispatch_mode_stack() == [], "a dispatch mode was left on"
+
+
+@pytest.fixture
+def no_gpu(monkeypatch: pytest.MonkeyPatch) -> CudaStandIn:
+    """This process sees no GPU for the test, whatever the machine has."""
+    return hide_gpus(monkeypatch)
+
+
+@pytest.fixture
+def isolated_meters(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """A fresh meter registry and NVML cache for the test (so the CPU tensor meter starts at
+    0 bytes, and no stand-in leaks into the next test)."""
+    with isolated(monkeypatch):
+        yield
+
+
+@pytest.fixture
+def ipython() -> Iterator[InteractiveShell]:
+    """A real IPython shell, cleared afterwards with the last error it kept."""
+    from IPython.core.interactiveshell import InteractiveShell
+
+    shell = InteractiveShell.instance()
+    yield shell
+    for name in ("last_type", "last_value", "last_traceback", "last_exc"):
+        if hasattr(sys, name):
+            setattr(sys, name, None)
+    InteractiveShell.clear_instance()
+    gc.collect()

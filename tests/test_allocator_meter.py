@@ -7,20 +7,15 @@ allocator, so every number here is known to the byte.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
 
 import pytest
 import torch
 
-from standins import CudaStandIn, GiB, MiB, StandInGpu, gpu_uuid, isolated
+from standins import CudaStandIn, GiB, MiB, StandInGpu, gpu_uuid
 from torchmem import TorchmemError, meter
 from torchmem.meters import AllocatorMeter
 
-
-@pytest.fixture(autouse=True)
-def _isolated(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    with isolated(monkeypatch):
-        yield
+pytestmark = pytest.mark.usefixtures("isolated_meters")
 
 
 @pytest.fixture

@@ -8,6 +8,8 @@ from benchmarks import cells, lines, meters, peaks, suite
 import torchmem
 from standins import hide_gpus
 
+pytestmark = pytest.mark.slow  # the benchmarks themselves, in tiny configurations
+
 
 def test_meter_benchmark_runs_and_tabulates():
     rows = meters.measure(repeat=1, scale=0.01)

@@ -23,9 +23,7 @@ from standins import (
     StandInGpu,
     call_in_fresh_process_without_gpu,
     gpu_uuid,
-    hide_gpus,
     install_gpus,
-    isolated,
 )
 from torchmem import CellLogger, CellRecord, IPyGPULogger
 from torchmem.notebook.memlog import register
@@ -35,27 +33,12 @@ HEADER = re.compile(r"^RAM:\s+Consumed Peaked  Used Total  in \d+\.\d{3}s( \(In 
 GEN_ROW = re.compile(r"^Gen: +-?\d+ +\d+ +\d+ MB$")
 
 
-@pytest.fixture(autouse=True)
-def _isolated(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    with isolated(monkeypatch):
-        yield
+pytestmark = pytest.mark.usefixtures("isolated_meters")
 
 
 @pytest.fixture
-def ipython() -> Iterator[InteractiveShell]:
-    shell = InteractiveShell.instance()
-    yield shell
-    for name in ("last_type", "last_value", "last_traceback", "last_exc"):
-        if hasattr(sys, name):
-            setattr(sys, name, None)
-    InteractiveShell.clear_instance()
-    gc.collect()
-
-
-@pytest.fixture
-def logger(ipython: InteractiveShell, monkeypatch: pytest.MonkeyPatch) -> Iterator[CellLogger]:
+def logger(ipython: InteractiveShell, no_gpu: None) -> Iterator[CellLogger]:
     """A logger on the shell, GPUs hidden, with torch imported in the shell already."""
-    hide_gpus(monkeypatch)
     ipython.run_cell("import torch")
     ipython.user_ns["torch"] = sys.modules["torch"]
     logger = CellLogger(shell=ipython)
@@ -417,6 +400,7 @@ def ram_rows() -> list[list[int]]:
     return [[r.gen_used_delta, r.gen_peaked, r.gen_used] for r in logger.history]
 
 
+@pytest.mark.slow
 def test_ram_row_is_exact_to_the_kernels_accounting():
     kept, spike, freed = call_in_fresh_process_without_gpu(ram_rows)
     assert abs(kept[0] - 64 * MiB) <= MiB

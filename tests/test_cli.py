@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 import torchmem.cli
-from standins import environ_without_gpu, hide_gpus
+from standins import environ_without_gpu
 from torchmem import __version__
 from torchmem.cli import COMMANDS, main
 from torchmem.errors import CommandError
@@ -25,12 +25,6 @@ from torchmem.errors import CommandError
 NO_GPU_LINE = "No CUDA GPU is visible (torch.cuda.is_available() is False)."
 NAMES = [command.name for command in COMMANDS]
 TOP_USAGE = "usage: torchmem [-h] [--version] COMMAND ..."
-
-
-@pytest.fixture
-def no_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    """This process sees no GPU, whatever the machine has."""
-    hide_gpus(monkeypatch)
 
 
 def test_devices_without_a_gpu_says_so_and_shows_ram(no_gpu, capsys):
@@ -167,6 +161,7 @@ def test_ctrl_c_in_a_command_exits_130_quietly(monkeypatch, capsys):
     assert capsys.readouterr() == ("", "")
 
 
+@pytest.mark.slow
 def test_the_module_runs_without_a_gpu():
     env = environ_without_gpu()
     text = subprocess.run(
@@ -187,6 +182,7 @@ def test_the_module_runs_without_a_gpu():
     assert json.loads(data.stdout)["gpus"] == []
 
 
+@pytest.mark.slow
 def test_the_installed_script_runs_without_a_gpu():
     script = shutil.which("torchmem", path=os.path.dirname(sys.executable)) or shutil.which(
         "torchmem"

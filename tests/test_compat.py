@@ -198,6 +198,7 @@ print([r.nbytes for r in torchmem.MemReporter(objects=lambda: [jagged]).snapshot
 """
 
 
+@pytest.mark.slow
 def test_a_pytorch_without_the_private_symbols() -> None:
     """Where a release lacks them, torchmem still imports, says which feature needs what,
     and every other feature works: the RAM meter, the reporter (through the public

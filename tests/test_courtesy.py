@@ -10,16 +10,13 @@ import weakref
 import pytest
 import torch
 
-from standins import StandInGpu, gpu_uuid, hide_gpus, install_gpus, isolated
+from standins import StandInGpu, gpu_uuid, hide_gpus, install_gpus
 from torchmem import Courtesy
 
 GiB = 2**30
 
 
-@pytest.fixture(autouse=True)
-def _isolated(monkeypatch: pytest.MonkeyPatch):
-    with isolated(monkeypatch):
-        yield
+pytestmark = pytest.mark.usefixtures("isolated_meters")
 
 
 def storage_of(tensor: torch.Tensor) -> int:

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 import torchmem
+from standins import MiB
 from torchmem import (
     TensorMeter,
     b2mb,
@@ -38,7 +39,6 @@ from torchmem.meters import nvml as torchmem_nvml
 
 pytestmark = pytest.mark.cuda
 
-MiB = 2**20
 MOVING = 64 * MiB
 """How far free/used memory of the whole device may move between two readings taken a
 moment apart: other processes and the driver allocate whenever they like."""

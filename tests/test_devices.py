@@ -11,7 +11,7 @@ import json
 import re
 import time
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import numpy as np
 import psutil
@@ -29,7 +29,6 @@ from standins import (
     StandIns,
     gpu_uuid,
     install_gpus,
-    isolated,
 )
 from torchmem import (
     GPUMemory,
@@ -70,10 +69,7 @@ ODD = 123_456
 """Bytes that make a figure fall between two whole MB, so truncation shows."""
 
 
-@pytest.fixture(autouse=True)
-def _isolated(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    with isolated(monkeypatch):
-        yield
+pytestmark = pytest.mark.usefixtures("isolated_meters")
 
 
 def mb(gpu: StandInGpu) -> GPUMemory:
@@ -105,7 +101,7 @@ def wait_for_samples(meter: torchmem.meters.SampledMeter, count: int) -> None:
 
 
 @pytest.fixture(params=["this machine", "CUDA_VISIBLE_DEVICES=''"])
-def no_gpu(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+def no_visible_gpu(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
     """No GPU visible to torch: this machine where it has none, and a CUDA machine whose
     GPUs are all hidden (NVML still lists them)."""
     if request.param == "this machine":
@@ -115,7 +111,7 @@ def no_gpu(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> N
         install_gpus(monkeypatch, rig(), visible_devices="")
 
 
-def test_gpu_mem_get_is_zeros(no_gpu: None) -> None:
+def test_gpu_mem_get_is_zeros(no_visible_gpu: None) -> None:
     assert GPUMemory._fields == ("total", "free", "used")
     assert gpu_mem_get() == GPUMemory(0, 0, 0)
     assert gpu_mem_get(0) == GPUMemory(0, 0, 0)
@@ -124,7 +120,7 @@ def test_gpu_mem_get_is_zeros(no_gpu: None) -> None:
 
 
 @pytest.mark.parametrize("name", MB_QUERIES)
-def test_mb_queries_are_zero(no_gpu: None, name: str) -> None:
+def test_mb_queries_are_zero(no_visible_gpu: None, name: str) -> None:
     query = getattr(torchmem, name)
     assert query() == 0
     assert query(0) == 0
@@ -137,7 +133,7 @@ def test_the_mbs_names_are_the_fastai_functions() -> None:
     assert torchmem.gpu_mem_get_used_no_cache_mbs is gpu_mem_get_used_no_cache
 
 
-def test_other_queries_without_a_gpu(no_gpu: None) -> None:
+def test_other_queries_without_a_gpu(no_visible_gpu: None) -> None:
     assert gpu_mem_get_used_fast(None) == 0
     assert gpu_with_max_free_mem() == (None, 0)
     assert nvml_handle() is None
@@ -146,7 +142,7 @@ def test_other_queries_without_a_gpu(no_gpu: None) -> None:
     assert preload_pytorch(0) is None
 
 
-def test_allocation_helpers_without_a_gpu(no_gpu: None) -> None:
+def test_allocation_helpers_without_a_gpu(no_visible_gpu: None) -> None:
     assert gpu_mem_allocate_mbs(10) is None
     with pytest.raises(TorchmemError, match="cannot allocate 10 MB: no CUDA GPU"):
         gpu_mem_allocate_mbs(10, fatal=True)
@@ -156,7 +152,7 @@ def test_allocation_helpers_without_a_gpu(no_gpu: None) -> None:
 @pytest.mark.parametrize("size", BAD_SIZES, ids=repr)
 @pytest.mark.parametrize("helper", [gpu_mem_allocate_mbs, gpu_mem_leave_free_mbs])
 def test_bad_sizes_raise_value_error_naming_them(
-    no_gpu: None, helper: Callable[[int], object], size: object
+    no_visible_gpu: None, helper: Callable[[int], object], size: object
 ) -> None:
     with pytest.raises(ValueError, match=re.escape(repr(size))):
         helper(size)  # type: ignore[arg-type]

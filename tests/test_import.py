@@ -3,6 +3,8 @@
 import subprocess
 import sys
 
+import pytest
+
 import torchmem
 
 CHECK = """
@@ -23,6 +25,7 @@ print("clean")
 """
 
 
+@pytest.mark.slow
 def test_import_starts_nothing():
     result = subprocess.run([sys.executable, "-c", CHECK], capture_output=True, text=True)
     assert result.stdout == "clean\n", result.stderr

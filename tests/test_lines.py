@@ -21,7 +21,6 @@ from standins import (
     StandInGpu,
     call_in_fresh_process_without_gpu,
     gpu_uuid,
-    isolated,
 )
 from torchmem import LineProfiler, profile, profile_every, set_target_gpu, valid_columns
 
@@ -29,13 +28,12 @@ PEAK, DELTA = "active_bytes.all.peak", "active_bytes.all.delta"
 
 
 @pytest.fixture(autouse=True)
-def _isolated(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """A fresh meter registry (so the CPU tensor meter starts at 0 bytes), and a fresh
-    global profiler on CPU tensors, whatever the machine has."""
-    with isolated(monkeypatch):
-        monkeypatch.setattr(torchmem.lines.memlab, "_global", LineProfiler(device="cpu"))
-        yield
-        atexit.unregister(torchmem.lines.memlab._global.print_stats)  # @profile's report at exit
+def _global_on_cpu(isolated_meters: None, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """A fresh global profiler on CPU tensors, whatever the machine has (and a fresh meter
+    registry, so the CPU tensor meter starts at 0 bytes)."""
+    monkeypatch.setattr(torchmem.lines.memlab, "_global", LineProfiler(device="cpu"))
+    yield
+    atexit.unregister(torchmem.lines.memlab._global.print_stats)  # @profile's report at exit
 
 
 def stats(prof: LineProfiler, func, offset: int) -> tuple[int, dict[str, int]]:
@@ -542,6 +540,7 @@ def profile_ram_lines() -> list[dict[str, int]]:
     return [line.stats for line in prof.records()[0].lines[1:3]]
 
 
+@pytest.mark.slow
 def test_ram_columns_profile_the_process_resident_memory():
     # In a fresh process: in this one, threads earlier tests started move the RSS.
     kept, spike = call_in_fresh_process_without_gpu(profile_ram_lines)
@@ -597,6 +596,7 @@ def test_profile_wraps_a_generator_only_while_it_runs():
     ]
 
 
+@pytest.mark.slow
 def test_profile_at_exit_in_a_real_script(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(

@@ -3,14 +3,9 @@ tensors whatever the machine has."""
 
 from __future__ import annotations
 
-import gc
-import sys
-from collections.abc import Iterator
-
 import pytest
 from IPython.core.interactiveshell import InteractiveShell
 
-from standins import hide_gpus, isolated
 from torchmem import LineProfiler, LineReport
 
 SETUP = """\
@@ -34,22 +29,12 @@ active_bytes active_bytes hits line code
 
 
 @pytest.fixture
-def shell(monkeypatch: pytest.MonkeyPatch) -> Iterator[InteractiveShell]:
+def shell(ipython: InteractiveShell, no_gpu: None, isolated_meters: None) -> InteractiveShell:
     """A fresh shell with torchmem loaded and `allocate` defined; no GPU visible, so the
     profiler measures CPU tensors, from 0 bytes."""
-    hide_gpus(monkeypatch)
-    with isolated(monkeypatch):
-        ipython = InteractiveShell.instance()
-        try:
-            ipython.run_line_magic("load_ext", "torchmem")
-            run(ipython, SETUP)
-            yield ipython
-        finally:
-            for name in ("last_type", "last_value", "last_traceback", "last_exc"):
-                if hasattr(sys, name):
-                    setattr(sys, name, None)
-            InteractiveShell.clear_instance()
-            gc.collect()
+    ipython.run_line_magic("load_ext", "torchmem")
+    run(ipython, SETUP)
+    return ipython
 
 
 def run(ipython: InteractiveShell, code: str) -> object:

@@ -9,6 +9,8 @@ import pytest
 nbclient = pytest.importorskip("nbclient")
 nbformat = pytest.importorskip("nbformat")
 
+pytestmark = pytest.mark.slow  # a real Jupyter kernel
+
 NOTEBOOK = Path(__file__).parent.parent / "examples" / "quickstart.ipynb"
 
 

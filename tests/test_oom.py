@@ -3,21 +3,16 @@
 from __future__ import annotations
 
 import io
-from collections.abc import Iterator
 from typing import NamedTuple
 
 import psutil
 import pytest
 import torch
 
-from standins import CudaStandIn, GiB, MiB, StandInGpu, gpu_uuid, isolated
+from standins import CudaStandIn, GiB, MiB, StandInGpu, gpu_uuid
 from torchmem import explain_oom, gpu_mem_restore_ctx, is_oom, oom_guard
 
-
-@pytest.fixture(autouse=True)
-def _isolated(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    with isolated(monkeypatch):
-        yield
+pytestmark = pytest.mark.usefixtures("isolated_meters")
 
 
 class StandInRam(NamedTuple):

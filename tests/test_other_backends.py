@@ -3,16 +3,11 @@
 import pytest
 import torch
 
-import torchmem.meters
+from standins import MiB
 from torchmem import meter
 from torchmem.meters import AllocatorMeter, MpsMeter
 
-MiB = 2**20
-
-
-@pytest.fixture(autouse=True)
-def fresh_registry(monkeypatch):
-    monkeypatch.setattr(torchmem.meters, "_meters", {})
+pytestmark = pytest.mark.usefixtures("isolated_meters")
 
 
 class XpuStandIn:

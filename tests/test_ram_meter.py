@@ -15,12 +15,11 @@ import threading
 
 import pytest
 
-from standins import call_in_fresh_process_without_gpu
+from standins import MiB, call_in_fresh_process_without_gpu
 from torchmem import meter
 from torchmem.meters import ram
 from torchmem.meters.ram import RamMeter
 
-MiB = 2**20
 SPIKE = 300 * MiB
 # Linux counts RSS in per-CPU batches (percpu_counter), so RSS and VmHWM can lag the
 # true page count by a few hundred KiB. A missed spike is off by all 300 MiB.
@@ -57,6 +56,7 @@ def measure_a_gil_held_spike() -> dict[str, int | bool]:
 
 
 @linux_only
+@pytest.mark.slow
 def test_gil_held_spike_is_caught_exactly():
     seen = call_in_fresh_process_without_gpu(measure_a_gil_held_spike)
     assert seen["exact"]
@@ -80,6 +80,7 @@ def measure_nested_windows() -> dict[str, int]:
 
 
 @linux_only
+@pytest.mark.slow
 def test_nested_windows_each_see_their_own_peak():
     rises = call_in_fresh_process_without_gpu(measure_nested_windows)
     assert rises["inner"] < SPIKE
@@ -126,6 +127,7 @@ def measure_a_slow_spike_by_sampling(missing_clear_refs: str) -> int:
         return w.peak() - w.start
 
 
+@pytest.mark.slow
 def test_the_sampler_catches_a_slow_spike(tmp_path):
     missing = str(tmp_path / "missing" / "clear_refs")
     assert call_in_fresh_process_without_gpu(measure_a_slow_spike_by_sampling, missing) >= (

@@ -1,28 +1,14 @@
 """The out-of-memory traceback helpers, in a real IPython shell."""
 
 import gc
-import sys
 import traceback
 import weakref
 
 import pytest
 import torch
-from IPython.core.interactiveshell import InteractiveShell
 
+from standins import MiB
 from torchmem import get_ref_free_exc_info, gpu_mem_restore, gpu_mem_restore_ctx, meter
-
-MiB = 2**20
-
-
-@pytest.fixture
-def ipython():
-    shell = InteractiveShell.instance()
-    yield shell
-    for name in ("last_type", "last_value", "last_traceback", "last_exc"):
-        if hasattr(sys, name):
-            setattr(sys, name, None)
-    InteractiveShell.clear_instance()
-    gc.collect()
 
 
 @pytest.fixture(autouse=True)

@@ -9,9 +9,8 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
+from standins import MiB
 from torchmem import TensorMeter
-
-MiB = 2**20
 
 
 @pytest.fixture

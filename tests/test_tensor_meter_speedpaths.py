@@ -10,9 +10,8 @@ import torch
 import torch._dynamo
 import torch._dynamo.testing
 
+from standins import MiB
 from torchmem import TensorMeter
-
-MiB = 2**20
 
 # torch.compile's own import of TorchScript warns that it is deprecated.
 pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated")

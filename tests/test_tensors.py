@@ -450,6 +450,7 @@ def readme_example() -> str:
     return text.getvalue()
 
 
+@pytest.mark.slow
 def test_every_tensor_in_a_fresh_process() -> None:
     assert call_in_fresh_process_without_gpu(readme_example) == HEADER + block(
         "cpu",

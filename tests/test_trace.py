@@ -10,10 +10,8 @@ import pytest
 import torch
 
 import torchmem
-from standins import call_in_fresh_process_without_gpu, hide_gpus
+from standins import MiB, call_in_fresh_process_without_gpu
 from torchmem import GPUMemTrace, MemTrace, gpu_mem_trace, mem_trace
-
-MiB = 2**20
 
 
 def mib(n: int) -> torch.Tensor:
@@ -23,12 +21,6 @@ def mib(n: int) -> torch.Tensor:
 def test_aliases_are_the_same_code():
     assert GPUMemTrace is MemTrace
     assert gpu_mem_trace is mem_trace
-
-
-@pytest.fixture
-def no_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    """This process sees no GPU, whatever the machine has."""
-    hide_gpus(monkeypatch)
 
 
 def test_default_device_without_a_gpu_is_cpu_tensors(no_gpu):
@@ -248,6 +240,7 @@ def trace_a_ram_spike() -> tuple[int, int]:
     return trace.data()
 
 
+@pytest.mark.slow
 def test_ram_device_traces_process_memory():
     # In a fresh process that never initialises CUDA: in this one, threads that earlier
     # tests started (CUDA's, PyTorch's CPU pool) move the resident size on their own.

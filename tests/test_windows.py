@@ -8,17 +8,9 @@ import pytest
 import torch
 
 import torchmem
-from standins import hide_gpus
+from standins import MiB
 from torchmem import TensorMeter, TorchmemError, meter
 from torchmem.meters import RamMeter
-
-MiB = 2**20
-
-
-@pytest.fixture
-def no_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    """This process sees no GPU, whatever the machine has."""
-    hide_gpus(monkeypatch)
 
 
 def test_default_meter_without_a_gpu_is_the_cpu_tensor_meter(no_gpu):

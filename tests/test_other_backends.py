@@ -25,7 +25,9 @@ class XpuStandIn:
     def free(self, nbytes):
         self.allocated -= nbytes
 
-    def install(self, monkeypatch):
+    def install(self, monkeypatch, nested=True):
+        """Install the calls on ``torch.xpu``; without `nested`, as in PyTorch 2.3: only the
+        flat ``memory_stats``."""
         calls = {
             "is_available": lambda: True,
             "device_count": lambda: 1,
@@ -36,8 +38,15 @@ class XpuStandIn:
             "memory_stats_as_nested_dict": lambda device: {
                 "allocated_bytes": {"all": {"current": self.allocated, "peak": self.peak}},
             },
+            "memory_stats": lambda device: {
+                "allocated_bytes.all.current": self.allocated,
+                "allocated_bytes.all.peak": self.peak,
+            },
             "reset_peak_memory_stats": self.reset,
         }
+        if not nested:
+            del calls["memory_stats_as_nested_dict"]
+            monkeypatch.delattr(torch.xpu, "memory_stats_as_nested_dict", raising=False)
         for name, call in calls.items():
             monkeypatch.setattr(torch.xpu, name, call, raising=False)
 
@@ -46,9 +55,11 @@ class XpuStandIn:
         self.peak = self.allocated
 
 
-def test_xpu_uses_the_allocator_meter_with_folded_peaks(monkeypatch):
+@pytest.mark.parametrize("nested", [True, False], ids=["nested stats", "flat stats only"])
+def test_xpu_uses_the_allocator_meter_with_folded_peaks(monkeypatch, nested):
     xpu = XpuStandIn()
-    xpu.install(monkeypatch)
+    xpu.install(monkeypatch, nested)
+    assert hasattr(torch.xpu, "memory_stats_as_nested_dict") is nested
     m = meter("xpu")
     assert isinstance(m, AllocatorMeter)
     assert m.device == "xpu:0"

@@ -191,7 +191,7 @@ per storage however many Python objects stand for it (``data_ptr()`` would not d
 def nested_memory_stats(backend: types.ModuleType) -> Callable[[int], dict[str, Any]]:
     """`backend`'s (``torch.cuda``, ``torch.xpu``) ``memory_stats_as_nested_dict``, which
     skips the flattening that makes ``memory_stats()`` cost ~135 µs; where the backend
-    lacks it (``torch.xpu`` before PyTorch 2.5), ``memory_stats()`` nested here."""
+    lacks it (``torch.xpu`` in PyTorch 2.3), ``memory_stats()`` nested here."""
     nested = getattr(backend, "memory_stats_as_nested_dict", None)
     if nested is not None:
         return nested  # type: ignore[no-any-return]

@@ -31,6 +31,20 @@ def test_import_starts_nothing():
     assert result.stdout == "clean\n", result.stderr
 
 
+def test_the_namespace_holds_public_names_and_submodules_only():
+    for name in torchmem.__all__:
+        getattr(torchmem, name)
+    extra = {
+        name
+        for name, value in vars(torchmem).items()
+        if not name.startswith("_")
+        and name not in torchmem.__all__
+        and not getattr(value, "__name__", "").startswith("torchmem.")  # a submodule
+    }
+    assert extra == set()
+    assert dir(torchmem) == sorted(torchmem.__all__)
+
+
 def test_public_names_are_exported():
     for name in torchmem.__all__:
         assert getattr(torchmem, name) is not None

@@ -176,3 +176,16 @@ def test_register_returns_a_handle(shell):
         assert shell.find_cell_magic("mlrun") is not None
     assert shell.find_magic("mlrun") is None
     handle.remove()  # twice is harmless
+
+
+def test_unload_ext_removes_what_load_ext_registered(shell):
+    memlog = shell.find_line_magic("memlog").handle
+    shell.run_line_magic("memlog", "on")
+    assert memlog.logger.running
+    shell.run_line_magic("unload_ext", "torchmem")
+    assert shell.find_magic("mlrun") is None and shell.find_magic("memlog") is None
+    assert not memlog.logger.running  # its IPython callbacks are gone too
+    shell.run_line_magic("load_ext", "torchmem")
+    assert shell.find_line_magic("mlrun") is not None
+    assert shell.find_line_magic("memlog").handle is not memlog  # a new logger
+    shell.run_line_magic("unload_ext", "torchmem")

@@ -4,10 +4,8 @@ Every public name is importable from here, and loaded on first use: ``import tor
 imports neither PyTorch nor anything else heavy, so ``torchmem --help`` answers at once.
 """
 
-from __future__ import annotations
-
-import importlib
-from typing import TYPE_CHECKING, Any
+import importlib as _importlib
+import typing as _typing
 
 from torchmem._version import __version__
 
@@ -100,20 +98,20 @@ _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in nam
 __all__ = ["__version__", *sorted(_MODULE_OF)]
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> _typing.Any:
     module = _MODULE_OF.get(name)
     if module is None:
         raise AttributeError(f"module 'torchmem' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
+    value = getattr(_importlib.import_module(module), name)
     globals()[name] = value  # the next lookup is a plain one
     return value
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+    return sorted(__all__)
 
 
-if TYPE_CHECKING:
+if _typing.TYPE_CHECKING:
     from torchmem.cells import (
         CellLogger as CellLogger,
         IPyGPULogger as IPyGPULogger,

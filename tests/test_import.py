@@ -1,7 +1,9 @@
 """Importing torchmem starts nothing: no CUDA, no NVML, no IPython, no thread."""
 
+import ast
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -50,3 +52,17 @@ def test_public_names_are_exported():
         assert getattr(torchmem, name) is not None
     assert torchmem.gpu_mem_get_free_mbs is torchmem.gpu_mem_get_free
     assert torchmem.GPUMemory._fields == ("total", "free", "used")
+
+
+def test_the_typed_imports_match_the_lazy_ones():
+    """The ``TYPE_CHECKING`` imports (what type checkers and editors read) name the same
+    modules and names as the table the package loads from."""
+    tree = ast.parse(Path(torchmem.__file__).read_text())
+    (block,) = [node for node in tree.body if isinstance(node, ast.If)]
+    typed = {
+        node.module: tuple(sorted(alias.name for alias in node.names))
+        for node in block.body
+        if isinstance(node, ast.ImportFrom)
+    }
+    lazy = {module: tuple(sorted(names)) for module, names in torchmem._EXPORTS.items()}
+    assert typed == lazy

@@ -31,7 +31,6 @@ _EXPORTS = {
         "gpu_mem_get_used_no_cache_mbs",
         "gpu_mem_leave_free_mbs",
         "gpu_with_max_free_mem",
-        "GPUMemory",
         "nvml_handle",
         "preload_pytorch",
     ),
@@ -59,15 +58,16 @@ _EXPORTS = {
         "load_ipython_extension",
         "unload_ipython_extension",
     ),
-    "torchmem.records.cells": ("CellRecord",),
-    "torchmem.records.tensors": ("TensorRecord",),
-    "torchmem.resolve": ("resolve_device",),
     "torchmem.oom": (
         "explain_oom",
         "is_oom",
         "oom_guard",
         "OOMReport",
     ),
+    "torchmem.records.cells": ("CellRecord",),
+    "torchmem.records.devices": ("GPUMemory",),
+    "torchmem.records.tensors": ("TensorRecord",),
+    "torchmem.resolve": ("resolve_device",),
     "torchmem.restore": (
         "get_ref_free_exc_info",
         "gpu_mem_restore",
@@ -120,7 +120,6 @@ if _typing.TYPE_CHECKING:
         Courtesy as Courtesy,
     )
     from torchmem.devices import (
-        GPUMemory as GPUMemory,
         gpu_mem_allocate_mbs as gpu_mem_allocate_mbs,
         gpu_mem_get as gpu_mem_get,
         gpu_mem_get_all as gpu_mem_get_all,
@@ -173,6 +172,9 @@ if _typing.TYPE_CHECKING:
     )
     from torchmem.records.cells import (
         CellRecord as CellRecord,
+    )
+    from torchmem.records.devices import (
+        GPUMemory as GPUMemory,
     )
     from torchmem.records.tensors import (
         TensorRecord as TensorRecord,

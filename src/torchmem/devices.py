@@ -22,31 +22,6 @@ from torchmem.records.devices import GPUInfo, GPUMemory, RAMInfo
 from torchmem.resolve import resolve_device
 from torchmem.units import MB, b2mb
 
-__all__ = [
-    "GPUInfo",
-    "GPUMemory",
-    "RAMInfo",
-    "gpu_info",
-    "gpu_mem_allocate_mbs",
-    "gpu_mem_get",
-    "gpu_mem_get_all",
-    "gpu_mem_get_free",
-    "gpu_mem_get_free_mbs",
-    "gpu_mem_get_free_no_cache",
-    "gpu_mem_get_free_no_cache_mbs",
-    "gpu_mem_get_total_mbs",
-    "gpu_mem_get_used",
-    "gpu_mem_get_used_fast",
-    "gpu_mem_get_used_mbs",
-    "gpu_mem_get_used_no_cache",
-    "gpu_mem_get_used_no_cache_mbs",
-    "gpu_mem_leave_free_mbs",
-    "gpu_with_max_free_mem",
-    "nvml_handle",
-    "preload_pytorch",
-    "ram_info",
-]
-
 
 def gpu_mem_get(id: int | None = None) -> GPUMemory:
     """Total, free and used memory of GPU `id` (default: the current torch device), in MB.

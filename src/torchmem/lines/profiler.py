@@ -85,11 +85,10 @@ class LineProfiler:
         self,
         *functions: Callable[..., Any],
         target_gpu: int | torch.device = 0,
-        device: str | int | torch.device | None = None,
+        device: DeviceLike | None = None,
     ) -> None:
         self._recording = Recording(lambda: self.meter)
         self._backend: Backend | None = None
-        self._lock = threading.Lock()
         self.device = device
         self.target_gpu = _gpu_index(target_gpu)
         if device is not None:
@@ -160,7 +159,7 @@ class LineProfiler:
         """
         thread = threading.get_ident()
         depths = self._recording.depth
-        with self._lock:
+        with self._recording.lock:
             depth = depths.get(thread, 0)
             depths[thread] = depth + 1
             first = len(depths) == 1 and depth == 0
@@ -173,7 +172,7 @@ class LineProfiler:
         """Stop profiling in this thread; the previous tracer, if any, is back in place."""
         thread = threading.get_ident()
         depths = self._recording.depth
-        with self._lock:
+        with self._recording.lock:
             depth = depths.get(thread, 0) - 1
             if depth < 0:
                 return

@@ -35,6 +35,7 @@ class Recording:
         self.depth: dict[int, int] = {}
         """Thread -> how many times profiling is enabled in it; empty while disabled."""
         self.lock = threading.Lock()
+        """Guards :attr:`depth` and what the lines record."""
 
 
 class Backend(Protocol):

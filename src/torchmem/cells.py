@@ -69,7 +69,7 @@ class CellLogger:
         self._registered = False
         self._depth = 0
         self._windows: tuple[Window, Window] | None = None
-        self._meters: tuple[Meter, Meter, Any] | None = None
+        self._meters: tuple[Meter, Meter, DeviceMeter | None] | None = None
         self._started_at = 0.0
 
     # Starting and stopping ------------------------------------------------------------

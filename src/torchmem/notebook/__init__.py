@@ -7,9 +7,12 @@ IPython is imported only when the extension loads, never at ``import torchmem``.
 from __future__ import annotations
 
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-_loaded: weakref.WeakKeyDictionary[Any, tuple[Any, ...]] = weakref.WeakKeyDictionary()
+if TYPE_CHECKING:
+    from torchmem.notebook.magics import MagicHandle
+
+_loaded: weakref.WeakKeyDictionary[Any, tuple[MagicHandle, ...]] = weakref.WeakKeyDictionary()
 """Shell -> the handles of what the extension registered there."""
 
 

@@ -142,3 +142,19 @@ def test_gpu_mem_restore_explains_an_oom_it_catches(ram, capsys):
     with pytest.raises(RuntimeError), gpu_mem_restore_ctx():
         torch.empty(2**45)
     assert capsys.readouterr().err.startswith("Out of memory on cpu: tried to allocate 128.00T.\n")
+
+
+def test_a_gpu_this_process_cannot_see_leaves_the_error_unchanged(monkeypatch):
+    """An error naming a GPU that is not visible here (a message from another process, or
+    one read back from a log) is still explained, without the allocator's numbers, and
+    oom_guard re-raises the user's error, not one of ours."""
+    CudaStandIn([StandInGpu(gpu_uuid(0), total=16 * GiB)]).install(monkeypatch)
+    error = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 7 ...")
+    report = explain_oom(error, objects=list)
+    assert (report.device, report.requested) == ("cuda:7", 2 * GiB)
+    assert (report.total, report.free, report.allocated, report.reserved) == (None,) * 4
+    stream = io.StringIO()
+    with pytest.raises(torch.OutOfMemoryError) as info, oom_guard(stream):
+        raise error
+    assert info.value is error and info.value.__context__ is None
+    assert stream.getvalue().startswith("Out of memory on cuda:7: tried to allocate 2.00G.\n")

@@ -81,10 +81,14 @@ def explain_oom(
     requested = _requested(message)
     total = free = allocated = reserved = None
     if where.type == "cuda" and torch.cuda.is_available():
-        where = resolve_device(where)  # index-less: the current GPU
-        free, total = torch.cuda.mem_get_info(where)
-        allocated = torch.cuda.memory_allocated(where)
-        reserved = torch.cuda.memory_reserved(where)
+        try:
+            where = resolve_device(where)  # index-less: the current GPU
+        except ValueError:  # not visible here: no allocator numbers, and no error of ours
+            pass
+        else:
+            free, total = torch.cuda.mem_get_info(where)
+            allocated = torch.cuda.memory_allocated(where)
+            reserved = torch.cuda.memory_reserved(where)
     elif where.type == "cpu":
         ram = psutil.virtual_memory()
         total, free = ram.total, ram.available

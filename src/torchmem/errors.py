@@ -12,3 +12,8 @@ class CommandError(TorchmemError):
     def __init__(self, message: str, exit_code: int = 1) -> None:
         super().__init__(message)
         self.exit_code = exit_code
+
+
+class TorchmemWarning(UserWarning):
+    """Something torchmem could not do as well as it would have liked (it says what it
+    does instead)."""

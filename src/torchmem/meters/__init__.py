@@ -6,6 +6,7 @@ import torch
 
 from torchmem.meters.allocator import AllocatorMeter
 from torchmem.meters.base import Meter, SampledMeter, Window
+from torchmem.meters.cpu import CpuAllocatorMeter, CpuDispatchMeter, cpu_meter
 from torchmem.meters.device import DeviceMeter
 from torchmem.meters.mps import MpsMeter
 from torchmem.meters.ram import RamMeter
@@ -14,6 +15,8 @@ from torchmem.resolve import DeviceLike, resolve_device
 
 __all__ = [
     "AllocatorMeter",
+    "CpuAllocatorMeter",
+    "CpuDispatchMeter",
     "DeviceMeter",
     "Meter",
     "MpsMeter",
@@ -34,11 +37,13 @@ def meter(device: DeviceLike | None = None) -> Meter:
     """The meter for a device, the same object on every call.
 
     Args:
-        device: ``"cpu"`` or ``"meta"`` (tensor meter: exact bytes of tensors on that
-            device), ``"cuda"``/``"cuda:1"``/an index (the caching allocator of that
-            GPU), ``"xpu[:n]"`` (Intel's allocator), ``"mps"`` (Apple's), ``"ram"`` (this
-            process's resident memory). ``None`` means the current CUDA device where
-            CUDA is available, else CPU tensors (see :func:`torchmem.resolve_device`).
+        device: ``"cpu"`` (every CPU tensor storage of the process, see
+            :mod:`torchmem.meters.cpu`), ``"meta"`` (tensor meter: exact bytes of tensors
+            made there while a window is open), ``"cuda"``/``"cuda:1"``/an index (the
+            caching allocator of that GPU), ``"xpu[:n]"`` (Intel's allocator), ``"mps"``
+            (Apple's), ``"ram"`` (this process's resident memory). ``None`` means the
+            current CUDA device where CUDA is available, else CPU tensors (see
+            :func:`torchmem.resolve_device`).
 
     Raises:
         ValueError: naming the device, if it is malformed or not available here.
@@ -72,7 +77,9 @@ def _make(key: str) -> Meter:
     if key == "ram":
         return RamMeter()
     device = torch.device(key)
-    if device.type in ("cpu", "meta"):
+    if device.type == "cpu":
+        return cpu_meter()
+    if device.type == "meta":
         return TensorMeter(device)
     if device.type in ("cuda", "xpu"):
         return AllocatorMeter(device)

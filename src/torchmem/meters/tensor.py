@@ -67,6 +67,8 @@ class TensorMeter(Meter):
             current CUDA device (device 0 where CUDA is not available, e.g. fake tensors).
     """
 
+    backend = "dispatch"
+    """How it counts: a dispatch mode (see :mod:`torchmem.meters.cpu` for the other)."""
     stats = ("allocated_bytes.all",)
     _log_limit = 4096
     """Fold the log in when it grows longer than this between readings."""
@@ -226,7 +228,7 @@ class TensorMeter(Meter):
         if tensor.layout is torch.strided and not owned_only:
             storages: Iterable[torch.UntypedStorage] = (tensor.untyped_storage(),)
         else:
-            storages = _storages(tensor)
+            storages = storages_of(tensor)
         for storage in storages:
             if storage_key(storage) in self._live or (owned_only and not storage.resizable()):
                 continue
@@ -260,6 +262,12 @@ class _Ref(weakref.ref[torch.UntypedStorage]):
 
 class _WatchMode(DispatchMode):
     """Sees every operator in its thread and reports new storages to the meter."""
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        # torch.compile compiles under an open window (not skipping every frame) and
+        # runs the compiled code with the mode on.
+        return True
 
     def __init__(self, meter: TensorMeter) -> None:
         super().__init__()
@@ -384,13 +392,13 @@ def _tensors(value: object) -> Iterator[torch.Tensor]:
                 yield item
 
 
-def _storages(tensor: torch.Tensor) -> Iterator[torch.UntypedStorage]:
+def storages_of(tensor: torch.Tensor) -> Iterator[torch.UntypedStorage]:
     """The storages holding a tensor's memory: one for a strided tensor, one for each
     component (indices, values) of a sparse one, none where PyTorch exposes none."""
     components = SPARSE_COMPONENTS.get(tensor.layout)
     if components is not None:
         for name in components:
-            yield from _storages(getattr(tensor, name)())
+            yield from storages_of(getattr(tensor, name)())
         return
     try:
         yield tensor.untyped_storage()

@@ -1,0 +1,192 @@
+"""The CPU meter: every CPU tensor storage of the process, the way the CUDA allocator
+meter sees every tensor of a GPU.
+
+Two backends, chosen once per process at the first use of ``meter("cpu")``:
+
+- ``"allocator"``: PyTorch's CPU allocator wrapped by torchmem's counting allocator
+  (C++, built on first use, see :mod:`torchmem.meters.native`). Every storage of every
+  thread, operators' temporaries and ``torch.tensor`` included, at no cost per operator.
+- ``"dispatch"``: the tensor meter's dispatch mode, made absolute by walking the live
+  tensors (through ``gc``) when a thread opens its first window and closes its last,
+  and on readings outside any window. Used where the allocator cannot be built or
+  trusted (one warning says why), or when ``TORCHMEM_CPU_METER=dispatch``.
+
+Storages alive before the meter started are adopted once, so freeing them later shows
+as a negative change, as on a GPU. Neither backend sees memory PyTorch's allocator did
+not make: ``torch.from_numpy``/DLPack, memory-mapped and shared-memory storages, and
+memory C++ code holds without a tensor.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import threading
+import warnings
+from collections.abc import Iterator
+
+import torch
+
+from torchmem._compat import storage_key
+from torchmem.errors import TorchmemWarning
+from torchmem.meters import native
+from torchmem.meters.base import Meter, Window
+from torchmem.meters.tensor import TensorMeter, storages_of
+
+BACKENDS = ("allocator", "dispatch")
+_ENV = "TORCHMEM_CPU_METER"
+
+
+class CpuAllocatorMeter(Meter):
+    """Bytes of every live CPU tensor storage of the process, counted by torchmem's
+    counting CPU allocator: ``used()`` means what the CUDA allocator's
+    ``memory_allocated`` means on a GPU. Exact in every thread; windows cost nothing per
+    operator. One per process (the allocator's counters are)."""
+
+    backend = "allocator"
+    """Which backend counts: ``"allocator"`` here, ``"dispatch"`` for the fallback."""
+    stats = ("allocated_bytes.all",)
+
+    def __init__(self, library: native.CpuAllocatorLibrary) -> None:
+        super().__init__()
+        self.device = "cpu"
+        self.library = library
+        """The loaded counting allocator (its :attr:`~native.CpuAllocatorLibrary.path`)."""
+        self._values = library.counters
+        self._reset_peak = library.reset_peak
+        for storage in live_storages():
+            library.adopt(storage_key(storage))
+
+    def used(self) -> int:
+        return int(self._values[0])
+
+    def counters(self) -> dict[str, int]:
+        current, _, allocated, freed, allocations, frees, _ = self._values
+        return {
+            "allocated_bytes.all.current": current,
+            "allocated_bytes.all.allocated": allocated,
+            "allocated_bytes.all.freed": freed,
+            "allocation.all.allocated": allocations,
+            "allocation.all.freed": frees,
+        }
+
+    def _peaks(self) -> dict[str, int]:
+        return {"allocated_bytes.all": int(self._values[1])}
+
+    def _reset_peaks(self) -> None:
+        self._reset_peak()
+
+
+class CpuDispatchMeter(TensorMeter):
+    """The CPU meter where the counting allocator is not available: the tensor meter,
+    made absolute. It counts new storages per operator in threads with an open window,
+    and adopts every live CPU storage it has not counted (made outside a window, in
+    another thread, by ``torch.load``, resized in place) when a thread opens its first
+    window or closes its last one, and on readings outside any window. A walk costs
+    about 0.15 µs per live Python object."""
+
+    backend = "dispatch"
+
+    def __init__(self) -> None:
+        super().__init__("cpu")
+
+    def used(self) -> int:
+        if threading.get_ident() not in self._modes:
+            with self._lock:
+                self._adopt_live()
+        return super().used()
+
+    def counters(self) -> dict[str, int]:
+        if threading.get_ident() not in self._modes:
+            with self._lock:
+                self._adopt_live()
+        return super().counters()
+
+    def _on_open(self, window: Window) -> None:
+        if threading.get_ident() not in self._modes:
+            self._adopt_live()
+        super()._on_open(window)
+
+    def _close(self, window: Window) -> None:
+        with self._lock:
+            thread = self._owners.get(id(window))
+            if thread == threading.get_ident() and self._modes[thread].windows == 1:
+                self._adopt_live()
+            super()._close(window)
+
+    def _adopt_live(self) -> None:
+        """Count what the dispatch mode did not see; with the lock held."""
+        live = self._live
+        for storage in live_storages():
+            if not storage.resizable():  # borrowed memory (from_numpy, mmap, shared)
+                continue
+            nbytes = storage.nbytes()
+            ref = live.get(storage_key(storage))
+            counted = 0 if ref is None else ref.nbytes
+            if nbytes != counted:
+                self._count(storage, nbytes - counted)
+        self._fold_log()
+
+
+def live_storages() -> Iterator[torch.UntypedStorage]:
+    """Every CPU storage that Python objects (tensors, storages) reach now, once each."""
+    seen = set()
+    for obj in gc.get_objects():
+        cls = type(obj)  # not isinstance: some objects' __class__ warns (reduce_op)
+        if issubclass(cls, torch.Tensor):
+            try:
+                if obj.device.type != "cpu":
+                    continue
+                storages = list(storages_of(obj))
+            except (NotImplementedError, RuntimeError):  # subclasses without storage
+                continue
+        elif issubclass(cls, torch.UntypedStorage):
+            storages = [obj]
+        elif issubclass(cls, torch.TypedStorage):
+            storages = [obj.untyped()]
+        else:
+            continue
+        for storage in storages:
+            key = storage_key(storage)
+            if key not in seen and storage.device.type == "cpu":
+                seen.add(key)
+                yield storage
+
+
+_allocator_meter: CpuAllocatorMeter | None = None
+_unavailable: str | None = None
+
+
+def cpu_meter() -> Meter:
+    """A new CPU meter on the backend ``$TORCHMEM_CPU_METER`` asks for (``"allocator"``,
+    the default, or ``"dispatch"``); the allocator's meter is one per process.
+
+    Raises:
+        ValueError: naming the variable's value, if it is neither.
+    """
+    global _allocator_meter, _unavailable
+    choice = os.environ.get(_ENV, "") or "allocator"
+    if choice not in BACKENDS:
+        raise ValueError(f"{_ENV}={choice!r}: expected one of {', '.join(BACKENDS)}")
+    if choice == "allocator" and _unavailable is None:
+        if _allocator_meter is None:
+            try:
+                _allocator_meter = CpuAllocatorMeter(native.load())
+            except native.BuildError as exc:
+                _unavailable = str(exc)
+                warnings.warn(
+                    f"torchmem: the counting CPU allocator is not available ({exc}); CPU"
+                    " memory is counted by the dispatch-mode meter, at a cost per operator."
+                    f" Set {_ENV}=dispatch to choose it without trying.",
+                    TorchmemWarning,
+                    stacklevel=2,
+                )
+        if _allocator_meter is not None:
+            return _allocator_meter
+    return CpuDispatchMeter()
+
+
+def unavailable() -> str | None:
+    """Why the counting allocator could not be used in this process, if it was tried and
+    could not."""
+    return _unavailable

@@ -1,0 +1,175 @@
+"""The counting CPU allocator's library: built from ``cpu_allocator.cpp`` with this
+machine's C++ compiler against the installed torch, cached, and loaded with ``ctypes``.
+
+The library is built once per torch version, Python version, platform and source, into
+``$TORCHMEM_CACHE_DIR``, else ``$XDG_CACHE_HOME/torchmem``, else ``~/.cache/torchmem``.
+It includes only c10's headers and links only ``libc10``, so a build takes about a
+second. ``torchmem build`` builds it ahead of time (for container images).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+from pathlib import Path
+
+import torch
+
+from torchmem.errors import TorchmemError
+
+SOURCE = Path(__file__).with_name("cpu_allocator.cpp")
+COUNTERS = ("current", "peak", "allocated", "freed", "allocations", "frees", "adopted")
+"""The library's int64 counters, in the order it lays them out."""
+_SELF_TEST_BYTES = 4096
+_INSTALL_ERRORS = {
+    1: "another CPU allocator than PyTorch's default is installed",
+    2: "PyTorch kept its own CPU allocator",
+}
+
+
+class BuildError(TorchmemError):
+    """The counting CPU allocator could not be built, loaded or trusted here."""
+
+
+class CpuAllocatorLibrary:
+    """The loaded library, installed as PyTorch's CPU allocator and self-tested."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        """The shared library's file."""
+        try:
+            lib = ctypes.CDLL(str(path))
+        except OSError as exc:
+            raise BuildError(f"cannot load {path}: {exc}") from None
+        lib.torchmem_counters.restype = ctypes.c_void_p
+        lib.torchmem_adopt.restype = ctypes.c_int64
+        lib.torchmem_adopt.argtypes = [ctypes.c_void_p]
+        lib.torchmem_self_test.argtypes = [ctypes.c_int64]
+        self._lib = lib
+        self.reset_peak = lib.torchmem_reset_peak
+        """Restart the peak counter at the current bytes."""
+        self.counters = (ctypes.c_int64 * len(COUNTERS)).from_address(lib.torchmem_counters())
+        """The live counters, indexed as :data:`COUNTERS` names them (bytes, or counts)."""
+        code = lib.torchmem_install()
+        if code:
+            raise BuildError(_INSTALL_ERRORS.get(code, f"install failed ({code})"))
+        try:
+            self._self_test()
+        except BuildError:
+            lib.torchmem_uninstall()
+            raise
+
+    def adopt(self, storage_key: int) -> int:
+        """Count a storage made before the allocator was installed (by its
+        ``UntypedStorage._cdata``), until it dies; return the bytes adopted (0 for one
+        counted already, or not made by PyTorch's CPU allocator)."""
+        return int(self._lib.torchmem_adopt(storage_key))
+
+    def _self_test(self) -> None:
+        """Allocate and free in C++, then through a tensor: both must be counted."""
+        code = self._lib.torchmem_self_test(_SELF_TEST_BYTES)
+        if code:
+            raise BuildError(f"self-test failed ({code}): allocations are not counted")
+        allocated, freed = self.counters[2], self.counters[3]
+        torch.empty(_SELF_TEST_BYTES, dtype=torch.uint8)
+        if self.counters[2] - allocated < _SELF_TEST_BYTES or self.counters[3] == freed:
+            raise BuildError("self-test failed: PyTorch's tensors do not use the allocator")
+
+
+def cache_dir() -> Path:
+    """Where built libraries are kept."""
+    if os.environ.get("TORCHMEM_CACHE_DIR"):
+        return Path(os.environ["TORCHMEM_CACHE_DIR"])
+    if os.environ.get("XDG_CACHE_HOME"):
+        return Path(os.environ["XDG_CACHE_HOME"]) / "torchmem"
+    return Path.home() / ".cache" / "torchmem"
+
+
+def library_path() -> Path:
+    """The cached library's file for this torch, Python, platform and source."""
+    tag = f"torch{torch.__version__}-{sys.implementation.cache_tag}-{sysconfig.get_platform()}"
+    digest = hashlib.sha256(SOURCE.read_bytes() + tag.encode()).hexdigest()[:12]
+    safe = "".join(c if c.isalnum() or c in ".-" else "_" for c in tag)
+    return cache_dir() / f"cpu_allocator-{safe}-{digest}.so"
+
+
+def compiler() -> list[str]:
+    """The C++ compiler's command: ``$CXX``, else the first of c++, g++, clang++ on PATH."""
+    if os.environ.get("CXX"):
+        return shlex.split(os.environ["CXX"])
+    for name in ("c++", "g++", "clang++"):
+        found = shutil.which(name)
+        if found:
+            return [found]
+    raise BuildError("no C++ compiler found ($CXX is unset; no c++, g++ or clang++ on PATH)")
+
+
+def build(force: bool = False) -> Path:
+    """Build the library unless it is cached (or `force`); return its path.
+
+    Raises:
+        BuildError: naming the compiler and its last words, if the build fails.
+    """
+    path = library_path()
+    if path.exists() and not force:
+        return path
+    root = Path(torch.__file__).parent
+    abi = int(torch.compiled_with_cxx11_abi())
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise BuildError(f"cannot create the cache directory {path.parent}: {exc}") from None
+    # Built beside its final name and renamed: processes building at once (torchrun's
+    # ranks) each rename a whole library into place.
+    fd, partial = tempfile.mkstemp(suffix=".so", dir=path.parent)
+    os.close(fd)
+    command = [
+        *compiler(),
+        "-O2",
+        "-std=c++17",
+        "-shared",
+        "-fPIC",
+        f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+        f"-I{root / 'include'}",
+        str(SOURCE),
+        "-o",
+        partial,
+        f"-L{root / 'lib'}",
+        "-lc10",
+        f"-Wl,-rpath,{root / 'lib'}",
+    ]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        os.unlink(partial)
+        raise BuildError(f"{command[0]} failed: {exc}") from None
+    if done.returncode:
+        os.unlink(partial)
+        last = (done.stderr or done.stdout).strip().splitlines()[-3:]
+        raise BuildError(f"{command[0]} exited with {done.returncode}: {' | '.join(last)}")
+    os.replace(partial, path)
+    return path
+
+
+_loaded: CpuAllocatorLibrary | None = None
+
+
+def load() -> CpuAllocatorLibrary:
+    """Build (if needed), load and install the counting CPU allocator, once per process.
+
+    Raises:
+        BuildError: saying why it cannot be used here.
+    """
+    global _loaded
+    if _loaded is None:
+        if sys.platform == "win32":
+            raise BuildError("not supported on Windows")
+        _loaded = CpuAllocatorLibrary(build())
+    return _loaded

@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import gc
 import os
+import sys
 import threading
 import warnings
-from collections.abc import Iterator
 
 import torch
 
@@ -54,7 +54,7 @@ class CpuAllocatorMeter(Meter):
         """The loaded counting allocator (its :attr:`~native.CpuAllocatorLibrary.path`)."""
         self._values = library.counters
         self._reset_peak = library.reset_peak
-        for storage in live_storages():
+        for storage in live_storages()[0]:
             library.adopt(storage_key(storage))
 
     def used(self) -> int:
@@ -117,10 +117,12 @@ class CpuDispatchMeter(TensorMeter):
     def _adopt_live(self) -> None:
         """Count what the dispatch mode did not see; with the lock held."""
         live = self._live
-        for storage in live_storages():
-            if not storage.resizable():  # borrowed memory (from_numpy, mmap, shared)
-                continue
-            nbytes = storage.nbytes()
+        storages, arrays = live_storages()
+        for storage in storages:
+            # Shared memory (share_memory_ moves a storage there) and NumPy's memory
+            # (from_numpy) are not the allocator's: 0 bytes, as the other backend sees them.
+            borrowed = storage.is_shared() or storage.data_ptr() in arrays
+            nbytes = 0 if borrowed else storage.nbytes()
             ref = live.get(storage_key(storage))
             counted = 0 if ref is None else ref.nbytes
             if nbytes != counted:
@@ -128,29 +130,37 @@ class CpuDispatchMeter(TensorMeter):
         self._fold_log()
 
 
-def live_storages() -> Iterator[torch.UntypedStorage]:
-    """Every CPU storage that Python objects (tensors, storages) reach now, once each."""
-    seen = set()
+def live_storages() -> tuple[list[torch.UntypedStorage], set[int]]:
+    """Every CPU storage that Python objects (tensors, storages) reach now, once each;
+    and the data addresses of the NumPy arrays that own their memory (which a storage
+    made by ``torch.from_numpy`` borrows)."""
+    storages: dict[int, torch.UntypedStorage] = {}
+    arrays = set()
+    numpy = sys.modules.get("numpy")
+    ndarray = numpy.ndarray if numpy is not None else ()
     for obj in gc.get_objects():
         cls = type(obj)  # not isinstance: some objects' __class__ warns (reduce_op)
         if issubclass(cls, torch.Tensor):
             try:
                 if obj.device.type != "cpu":
                     continue
-                storages = list(storages_of(obj))
+                found = list(storages_of(obj))
             except (NotImplementedError, RuntimeError):  # subclasses without storage
                 continue
         elif issubclass(cls, torch.UntypedStorage):
-            storages = [obj]
+            found = [obj]
         elif issubclass(cls, torch.TypedStorage):
-            storages = [obj.untyped()]
+            found = [obj.untyped()]
+        elif issubclass(cls, ndarray):
+            if obj.base is None:
+                arrays.add(obj.__array_interface__["data"][0])
+            continue
         else:
             continue
-        for storage in storages:
-            key = storage_key(storage)
-            if key not in seen and storage.device.type == "cpu":
-                seen.add(key)
-                yield storage
+        for storage in found:
+            if storage.device.type == "cpu":
+                storages.setdefault(storage_key(storage), storage)
+    return list(storages.values()), arrays
 
 
 _allocator_meter: CpuAllocatorMeter | None = None

@@ -1,7 +1,6 @@
 // torchmem's counting CPU allocator.
 //
-// Installed in place of PyTorch's default CPU allocator, it allocates exactly as that
-// one does (c10::alloc_cpu / c10::free_cpu, reporting to torch.profiler through
+// Installed as PyTorch's default CPU allocator, it allocates exactly as that one does (c10::alloc_cpu / c10::free_cpu, reporting to torch.profiler through
 // c10::profiledCPUMemoryReporter) and counts every storage of the process, in every
 // thread, in atomics that Python reads directly. Loaded with ctypes: a C ABI only.
 //
@@ -21,6 +20,7 @@
 #include <pthread.h>
 
 #include <atomic>
+#include <cstring>
 #include <cstdint>
 #include <mutex>
 #include <new>
@@ -118,41 +118,47 @@ struct CountingAllocator final : c10::Allocator {
   }
 };
 
-CountingAllocator* allocator = nullptr;
+// PyTorch's default CPU allocator object, and its original virtual table pointer.
+c10::Allocator* allocator = nullptr;
+void* standard_vtable = nullptr;
 
 }  // namespace
 
 extern "C" {
 
-// Installs the counting allocator as PyTorch's CPU allocator, once per process.
-// Returns 0, or 1 where another allocator than PyTorch's default is in place (its
-// owner chose it: torchmem does not replace it), or 2 where PyTorch kept its own.
+// Makes PyTorch's default CPU allocator count, once per process. Returns 0, or 1 where
+// another allocator than PyTorch's default is in place (its owner chose it: torchmem
+// does not replace it).
+//
+// The default allocator object itself becomes a CountingAllocator (its virtual table
+// pointer is replaced; neither class has data members), rather than a new allocator
+// being registered with c10::SetCPUAllocator: Python's storage constructors
+// (torch.UntypedStorage(n), which copy.deepcopy, pickle and torch.load use) call
+// c10::GetDefaultCPUAllocator() directly, and must be counted too.
 int torchmem_install() {
-  c10::Allocator* current = c10::GetCPUAllocator();
-  if (allocator != nullptr && current == allocator) {
-    return 0;
-  }
   c10::Allocator* standard = c10::GetDefaultCPUAllocator();
-  if (current != standard) {
+  if (c10::GetCPUAllocator() != standard) {
     return 1;
   }
   if (allocator == nullptr) {
     default_deleter = standard->raw_deleter();
+    std::memcpy(&standard_vtable, static_cast<void*>(standard), sizeof(void*));
     // The adopted sizes' lock must be free in a child made by fork (DataLoader's
     // workers): hold it across fork so that no other thread holds it then.
     pthread_atfork([] { adopted_mutex.lock(); }, [] { adopted_mutex.unlock(); },
                    [] { adopted_mutex.unlock(); });
-    allocator = new CountingAllocator();
+    static_assert(sizeof(CountingAllocator) == sizeof(c10::Allocator), "no data members");
+    allocator = new (static_cast<void*>(standard)) CountingAllocator();
   }
-  c10::SetCPUAllocator(allocator, /*priority=*/0);
-  return c10::GetCPUAllocator() == allocator ? 0 : 2;
+  return 0;
 }
 
 // Gives PyTorch its default CPU allocator back (after a failed self-test). Storages the
 // counting allocator made keep its deleter, which stays valid.
 void torchmem_uninstall() {
-  if (c10::GetCPUAllocator() == allocator) {
-    c10::SetCPUAllocator(c10::GetDefaultCPUAllocator(), /*priority=*/0);
+  if (allocator != nullptr) {
+    std::memcpy(static_cast<void*>(allocator), &standard_vtable, sizeof(void*));
+    allocator = nullptr;
   }
 }
 
@@ -166,8 +172,8 @@ void torchmem_reset_peak() {
 }
 
 // Adopts a CPU storage made by the default allocator before install (a c10::StorageImpl*,
-// which Python's UntypedStorage._cdata is): counts its bytes now and off when it dies,
-// and makes it grow (resize_) through the counting allocator. Returns the bytes adopted,
+// which Python's UntypedStorage._cdata is): counts its bytes now and off when it dies.
+// Returns the bytes adopted,
 // 0 for a storage that is counted already or not the default allocator's.
 int64_t torchmem_adopt(void* storage_impl) {
   auto* storage = static_cast<c10::StorageImpl*>(storage_impl);
@@ -187,9 +193,6 @@ int64_t torchmem_adopt(void* storage_impl) {
     }
     adopted_sizes[data] = n;
   }
-  if (storage->allocator() == c10::GetDefaultCPUAllocator()) {
-    storage->set_allocator(allocator);
-  }
   counters.adopted.fetch_add(n, std::memory_order_relaxed);
   grow(n);
   return n;
@@ -205,7 +208,7 @@ int torchmem_self_test(int64_t n) {
   int64_t freed = counters.freed.load();
   {
     c10::DataPtr ptr = c10::GetCPUAllocator()->allocate(static_cast<size_t>(n));
-    if (counters.allocated.load() - allocated < n) {
+    if (counters.allocated.load() - allocated < n || ptr.get_deleter() != &delete_counted) {
       return 2;
     }
   }

@@ -28,10 +28,7 @@ SOURCE = Path(__file__).with_name("cpu_allocator.cpp")
 COUNTERS = ("current", "peak", "allocated", "freed", "allocations", "frees", "adopted")
 """The library's int64 counters, in the order it lays them out."""
 _SELF_TEST_BYTES = 4096
-_INSTALL_ERRORS = {
-    1: "another CPU allocator than PyTorch's default is installed",
-    2: "PyTorch kept its own CPU allocator",
-}
+_INSTALL_ERRORS = {1: "another CPU allocator than PyTorch's default is installed"}
 
 
 class BuildError(TorchmemError):
@@ -77,10 +74,11 @@ class CpuAllocatorLibrary:
         code = self._lib.torchmem_self_test(_SELF_TEST_BYTES)
         if code:
             raise BuildError(f"self-test failed ({code}): allocations are not counted")
-        allocated, freed = self.counters[2], self.counters[3]
-        torch.empty(_SELF_TEST_BYTES, dtype=torch.uint8)
-        if self.counters[2] - allocated < _SELF_TEST_BYTES or self.counters[3] == freed:
-            raise BuildError("self-test failed: PyTorch's tensors do not use the allocator")
+        for make in (torch.empty, torch.UntypedStorage):
+            allocated, freed = self.counters[2], self.counters[3]
+            make(_SELF_TEST_BYTES)
+            if self.counters[2] - allocated < _SELF_TEST_BYTES or self.counters[3] == freed:
+                raise BuildError(f"self-test failed: torch.{make.__name__} is not counted")
 
 
 def cache_dir() -> Path:

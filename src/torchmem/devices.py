@@ -18,7 +18,8 @@ import torch
 
 from torchmem.errors import TorchmemError
 from torchmem.meters import device_meter, meter, nvml
-from torchmem.records.devices import GPUInfo, GPUMemory, RAMInfo
+from torchmem.meters.cpu import CPU_METER_VARIABLE, CpuAllocatorMeter, unavailable
+from torchmem.records.devices import CPUInfo, GPUInfo, GPUMemory, RAMInfo
 from torchmem.resolve import resolve_device
 from torchmem.units import MB, b2mb
 
@@ -196,6 +197,15 @@ def gpu_info() -> list[GPUInfo]:
             )
         )
     return infos
+
+
+def cpu_info() -> CPUInfo:
+    """Which backend counts CPU tensor memory here (starting it), and what it counts now."""
+    cpu = meter("cpu")
+    if isinstance(cpu, CpuAllocatorMeter):
+        return CPUInfo(backend="allocator", used=cpu.used(), detail=str(cpu.library.path))
+    detail = unavailable() or f"chosen by {CPU_METER_VARIABLE}"
+    return CPUInfo(backend="dispatch", used=cpu.used(), detail=detail)
 
 
 def ram_info() -> RAMInfo:

@@ -11,11 +11,12 @@ import sys
 from collections.abc import Sequence
 
 from torchmem._version import __version__
+from torchmem.cli.build import BuildCommand
 from torchmem.cli.command import Command
 from torchmem.cli.devices import DevicesCommand
 from torchmem.errors import CommandError
 
-COMMANDS: list[Command] = [DevicesCommand()]
+COMMANDS: list[Command] = [DevicesCommand(), BuildCommand()]
 """Every subcommand, in the order ``torchmem --help`` lists them."""
 
 

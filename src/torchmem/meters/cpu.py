@@ -34,7 +34,8 @@ from torchmem.meters.base import Meter, Window
 from torchmem.meters.tensor import TensorMeter, storages_of
 
 BACKENDS = ("allocator", "dispatch")
-_ENV = "TORCHMEM_CPU_METER"
+CPU_METER_VARIABLE = "TORCHMEM_CPU_METER"
+"""The environment variable that chooses the backend."""
 
 
 class CpuAllocatorMeter(Meter):
@@ -175,9 +176,9 @@ def cpu_meter() -> Meter:
         ValueError: naming the variable's value, if it is neither.
     """
     global _allocator_meter, _unavailable
-    choice = os.environ.get(_ENV, "") or "allocator"
+    choice = os.environ.get(CPU_METER_VARIABLE, "") or "allocator"
     if choice not in BACKENDS:
-        raise ValueError(f"{_ENV}={choice!r}: expected one of {', '.join(BACKENDS)}")
+        raise ValueError(f"{CPU_METER_VARIABLE}={choice!r}: expected one of {', '.join(BACKENDS)}")
     if choice == "allocator" and _unavailable is None:
         if _allocator_meter is None:
             try:
@@ -187,9 +188,9 @@ def cpu_meter() -> Meter:
                 warnings.warn(
                     f"torchmem: the counting CPU allocator is not available ({exc}); CPU"
                     " memory is counted by the dispatch-mode meter, at a cost per operator."
-                    f" Set {_ENV}=dispatch to choose it without trying.",
+                    f" Set {CPU_METER_VARIABLE}=dispatch to choose it without trying.",
                     TorchmemWarning,
-                    stacklevel=2,
+                    stacklevel=4,  # cpu_meter, _make, meter: the caller of meter()
                 )
         if _allocator_meter is not None:
             return _allocator_meter

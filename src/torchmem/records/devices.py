@@ -50,3 +50,15 @@ class RAMInfo:
     """Total memory of the machine."""
     available: int
     """Memory available to new processes without swapping."""
+
+
+@dataclass(frozen=True)
+class CPUInfo:
+    """How this process counts CPU tensor memory."""
+
+    backend: str
+    """``"allocator"`` (torchmem's counting CPU allocator) or ``"dispatch"`` (the fallback)."""
+    used: int
+    """Bytes of live CPU tensor storages now."""
+    detail: str
+    """The counting allocator's library file, or why it is not used."""

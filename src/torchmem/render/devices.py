@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from torchmem.records.devices import GPUInfo, RAMInfo
+from torchmem.records.devices import CPUInfo, GPUInfo, RAMInfo
 from torchmem.render.text import table
 from torchmem.units import readable_size
 
 
-def text(gpus: list[GPUInfo], ram: RAMInfo) -> str:
-    """Every GPU's memory, then host RAM, as a terminal shows it."""
+def text(gpus: list[GPUInfo], ram: RAMInfo, cpu: CPUInfo) -> str:
+    """Every GPU's memory, then host RAM and CPU tensors, as a terminal shows it."""
     lines = []
     if gpus:
         rows = [
@@ -32,5 +32,10 @@ def text(gpus: list[GPUInfo], ram: RAMInfo) -> str:
     lines.append(
         f"RAM: this process {readable_size(ram.process)} resident; "
         f"machine {readable_size(ram.total)} total, {readable_size(ram.available)} available."
+    )
+    how = "counting CPU allocator" if cpu.backend == "allocator" else "dispatch-mode meter"
+    lines.append(
+        f"CPU tensors: {readable_size(cpu.used)}, counted by the {how}"
+        f" (backend {cpu.backend!r}: {cpu.detail})."
     )
     return "\n".join(lines)

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import gc
 import os
-import sys
 import threading
 import warnings
 
@@ -55,7 +54,7 @@ class CpuAllocatorMeter(Meter):
         """The loaded counting allocator (its :attr:`~native.CpuAllocatorLibrary.path`)."""
         self._values = library.counters
         self._reset_peak = library.reset_peak
-        for storage in live_storages()[0]:
+        for storage in live_storages():
             library.adopt(storage_key(storage))
 
     def used(self) -> int:
@@ -118,27 +117,22 @@ class CpuDispatchMeter(TensorMeter):
     def _adopt_live(self) -> None:
         """Count what the dispatch mode did not see; with the lock held."""
         live = self._live
-        storages, arrays = live_storages()
-        for storage in storages:
-            # Shared memory (share_memory_ moves a storage there) and NumPy's memory
-            # (from_numpy) are not the allocator's: 0 bytes, as the other backend sees them.
-            borrowed = storage.is_shared() or storage.data_ptr() in arrays
-            nbytes = 0 if borrowed else storage.nbytes()
-            ref = live.get(storage_key(storage))
+        for storage in live_storages():
+            key = storage_key(storage)
+            ref = live.get(key)
+            if ref is None and not storage.resizable():
+                continue  # borrowed (from_numpy, mmap), or torch.load's, seen by the mode
+            # Shared memory (share_memory_ moves a storage there) is not the allocator's.
+            nbytes = 0 if storage.is_shared() else storage.nbytes()
             counted = 0 if ref is None else ref.nbytes
             if nbytes != counted:
                 self._count(storage, nbytes - counted)
         self._fold_log()
 
 
-def live_storages() -> tuple[list[torch.UntypedStorage], set[int]]:
-    """Every CPU storage that Python objects (tensors, storages) reach now, once each;
-    and the data addresses of the NumPy arrays that own their memory (which a storage
-    made by ``torch.from_numpy`` borrows)."""
+def live_storages() -> list[torch.UntypedStorage]:
+    """Every CPU storage that Python objects (tensors, storages) reach now, once each."""
     storages: dict[int, torch.UntypedStorage] = {}
-    arrays = set()
-    numpy = sys.modules.get("numpy")
-    ndarray = numpy.ndarray if numpy is not None else ()
     for obj in gc.get_objects():
         cls = type(obj)  # not isinstance: some objects' __class__ warns (reduce_op)
         if issubclass(cls, torch.Tensor):
@@ -152,16 +146,12 @@ def live_storages() -> tuple[list[torch.UntypedStorage], set[int]]:
             found = [obj]
         elif issubclass(cls, torch.TypedStorage):
             found = [obj.untyped()]
-        elif issubclass(cls, ndarray):
-            if obj.base is None:
-                arrays.add(obj.__array_interface__["data"][0])
-            continue
         else:
             continue
         for storage in found:
             if storage.device.type == "cpu":
                 storages.setdefault(storage_key(storage), storage)
-    return list(storages.values()), arrays
+    return list(storages.values())
 
 
 _allocator_meter: CpuAllocatorMeter | None = None

@@ -40,6 +40,9 @@ from torchmem.meters.base import Meter, Window
 from torchmem.resolve import DeviceLike, parse_device, resolve_device
 
 _LIFT_FRESH = torch.ops.aten.lift_fresh.default
+_SET_STORAGE = frozenset(
+    (torch.ops.aten.set_.source_Storage, torch.ops.aten.set_.source_Storage_storage_offset)
+)
 SPARSE_COMPONENTS = {
     torch.sparse_coo: ("_indices", "_values"),
     torch.sparse_csr: ("crow_indices", "col_indices", "values"),
@@ -322,6 +325,12 @@ class _WatchMode(DispatchMode):
                     meter._count(storage, nbytes)
         elif fresh:
             meter._returned(fresh, out, args)
+        elif func in _SET_STORAGE:
+            # torch.load, unpickling and deepcopy make a storage without an operator,
+            # then set_ a tensor to it (as share_memory_ does with shared memory, which
+            # is not the allocator's).
+            if not args[0].untyped_storage().is_shared():
+                meter._created(args[0])
         elif func is _LIFT_FRESH:
             # torch.tensor(data) builds its storage before dispatch and only lifts it
             # here; from_numpy lifts memory it borrowed (not resizable).

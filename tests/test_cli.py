@@ -36,7 +36,38 @@ def test_devices_without_a_gpu_says_so_and_shows_ram(no_gpu, capsys):
         r"\d+\.\d\d[MGT] available\.",
         lines[1],
     )
-    assert len(lines) == 2
+    assert re.fullmatch(
+        r"CPU tensors: \d+\.\d\d[BKMG], counted by the counting CPU allocator"
+        r" \(backend 'allocator': /.+/cpu_allocator-torch.+\.so\)\.",
+        lines[2],
+    )
+    assert len(lines) == 3
+
+
+def test_devices_json_names_the_cpu_backend(no_gpu, capsys, monkeypatch, isolated_meters):
+    monkeypatch.setenv("TORCHMEM_CPU_METER", "dispatch")
+    assert main(["devices", "--json"]) == 0
+    cpu = json.loads(capsys.readouterr().out)["cpu"]
+    assert (cpu["backend"], cpu["detail"]) == ("dispatch", "chosen by TORCHMEM_CPU_METER")
+
+
+def test_build_builds_into_the_cache_and_self_tests(tmp_path):
+    env = {**os.environ, "TORCHMEM_CACHE_DIR": str(tmp_path)}
+    done = subprocess.run(
+        [sys.executable, "-m", "torchmem", "build"], capture_output=True, text=True, env=env
+    )
+    (built,) = tmp_path.iterdir()
+    assert (done.returncode, done.stdout) == (0, f"built and self-tested: {built}\n")
+
+
+def test_build_without_a_compiler_fails_with_one_line(tmp_path):
+    env = {**os.environ, "TORCHMEM_CACHE_DIR": str(tmp_path), "CXX": str(tmp_path / "none")}
+    done = subprocess.run(
+        [sys.executable, "-m", "torchmem", "build"], capture_output=True, text=True, env=env
+    )
+    assert done.returncode == 1
+    assert done.stderr.startswith("torchmem build: error: cannot build the counting CPU")
+    assert len(done.stderr.splitlines()) == 1
 
 
 def test_devices_json(no_gpu, capsys):

@@ -50,6 +50,7 @@ from torchmem import (
 )
 from torchmem.cli import main
 from torchmem.devices import GPUInfo, RAMInfo
+from torchmem.records.devices import CPUInfo
 from torchmem.render.devices import text as devices_text
 
 # Every whole-MB query of one GPU, fastai's names and ipyexperiments' `_mbs` names.
@@ -519,6 +520,11 @@ T4 = GPUInfo(
 )
 RAM = RAMInfo(process=256 * MiB, total=64 * GiB, available=193 * GiB // 4)
 RAM_LINE = "RAM: this process 256.00M resident; machine 64.00G total, 48.25G available."
+CPU = CPUInfo(backend="allocator", used=4 * MiB, detail="/cache/cpu_allocator.so")
+CPU_LINE = (
+    "CPU tensors: 4.00M, counted by the counting CPU allocator"
+    " (backend 'allocator': /cache/cpu_allocator.so)."
+)
 TABLE = """\
 GPU  Name                    Total     Used    Free  Allocated  Reserved
   0  NVIDIA A100-SXM4-80GB  80.00G    1.50G  78.50G      4.00M    20.00M
@@ -526,27 +532,35 @@ GPU  Name                    Total     Used    Free  Allocated  Reserved
 
 
 def test_devices_text_with_nvml() -> None:
-    assert devices_text([A100, T4], RAM) == (
+    assert devices_text([A100, T4], RAM, CPU) == (
         f"{TABLE}\n"
         "Total, Used and Free: the whole device, all processes (NVML). "
         "Allocated and Reserved: this process's PyTorch allocator.\n"
-        f"{RAM_LINE}"
+        f"{RAM_LINE}\n{CPU_LINE}"
     )
 
 
 def test_devices_text_names_mem_get_info_unless_every_gpu_is_read_by_nvml() -> None:
     t4 = GPUInfo(**{**T4.__dict__, "source": "cuda"})
-    assert devices_text([A100, t4], RAM) == (
+    assert devices_text([A100, t4], RAM, CPU) == (
         f"{TABLE}\n"
         "Total, Used and Free: the whole device, all processes (torch.cuda.mem_get_info). "
         "Allocated and Reserved: this process's PyTorch allocator.\n"
-        f"{RAM_LINE}"
+        f"{RAM_LINE}\n{CPU_LINE}"
     )
 
 
 def test_devices_text_without_gpus() -> None:
-    assert devices_text([], RAM) == (
-        f"No CUDA GPU is visible (torch.cuda.is_available() is False).\n{RAM_LINE}"
+    assert devices_text([], RAM, CPU) == (
+        f"No CUDA GPU is visible (torch.cuda.is_available() is False).\n{RAM_LINE}\n{CPU_LINE}"
+    )
+
+
+def test_devices_text_names_the_dispatch_fallback_and_why() -> None:
+    cpu = CPUInfo(backend="dispatch", used=0, detail="no C++ compiler found")
+    assert devices_text([], RAM, cpu).splitlines()[-1] == (
+        "CPU tensors: 0.00B, counted by the dispatch-mode meter"
+        " (backend 'dispatch': no C++ compiler found)."
     )
 
 

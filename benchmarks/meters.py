@@ -1,4 +1,7 @@
-"""Cost of watching with the tensor meter, per operator, against the PyTorch profiler.
+"""Cost of watching with torchmem's meter, per operator, against the PyTorch profiler.
+
+On CPU both backends run: the counting allocator (the default) and the dispatch-mode
+fallback.
 
 Contenders run in the same process, alternating, repeated; the table shows the median
 time and its ratio to the unwatched run.
@@ -13,6 +16,7 @@ import torch
 
 import torchmem
 from benchmarks import timing
+from torchmem.meters import CpuAllocatorMeter, CpuDispatchMeter
 
 
 def small_ops(n: int = 10_000, device: str = "cpu") -> Callable[[], None]:
@@ -65,21 +69,31 @@ def mlp_step(device: str = "cpu") -> Callable[[], None]:
 
 
 def contenders(device: str) -> dict[str, Callable[[], contextlib.AbstractContextManager]]:
-    """Unwatched, torchmem's meter for `device` (the tensor meter for ``"cpu"``, the
-    caching allocator's for CUDA) and the PyTorch profiler recording memory."""
+    """Unwatched, torchmem's meter for `device` (on CPU: the counting allocator and the
+    dispatch-mode fallback; on CUDA: the caching allocator's) and the PyTorch profiler
+    recording memory, its exit included."""
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.startswith("cuda"):
         activities.append(torch.profiler.ProfilerActivity.CUDA)
-    return {
+    watched = torchmem.meter(device)
+    named: dict[str, Callable[[], contextlib.AbstractContextManager]] = {
         "unwatched": contextlib.nullcontext,
-        f"torchmem {type(torchmem.meter(device)).__name__}": torchmem.meter(device).window,
-        "torch.profiler(profile_memory=True)": lambda: torch.profiler.profile(
-            activities=activities, profile_memory=True
-        ),
+        f"torchmem {type(watched).__name__}": watched.window,
     }
+    if device == "cpu" and not isinstance(watched, CpuDispatchMeter):
+        named[f"torchmem {CpuDispatchMeter.__name__}"] = CpuDispatchMeter().window
+    named["torch.profiler(profile_memory=True)"] = lambda: torch.profiler.profile(
+        activities=activities, profile_memory=True
+    )
+    return named
 
 
-CASES = {"10,000 small ops": small_ops, "MLP training step (Adam)": mlp_step}
+SMALL_OPS = "10,000 small ops"
+TARGET_US_PER_OP = 0.5
+"""The counting allocator's cost target, in microseconds per operator."""
+
+
+CASES = {SMALL_OPS: small_ops, "MLP training step (Adam)": mlp_step}
 
 
 def measure(repeat: int = 5, scale: float = 1.0, device: str = "cpu") -> list[timing.Row]:
@@ -93,19 +107,38 @@ def measure(repeat: int = 5, scale: float = 1.0, device: str = "cpu") -> list[ti
     return rows
 
 
+def per_op(rows: list[timing.Row], ops: int = 10_000) -> str:
+    """Each contender's cost per operator over the unwatched run in the small-ops case, a
+    line each, with the counting allocator's target."""
+    found = {name: median for case, name, median, _ in rows if case == SMALL_OPS}
+    base = found["unwatched"]
+    lines = []
+    for name, median in found.items():
+        if name == "unwatched" or median is None or base is None:
+            continue
+        cost = (median - base) / ops * 1e6
+        line = f"- {name}: {cost:+.2f} µs per operator"
+        if name.endswith(CpuAllocatorMeter.__name__):
+            verdict = "met" if cost <= TARGET_US_PER_OP else "missed"
+            line += f" (target at most +{TARGET_US_PER_OP} µs: {verdict})"
+        lines.append(line)
+    return "\n".join(lines)
+
+
 def table(rows: list[timing.Row]) -> str:
     return timing.table(rows)
 
 
 def verdicts(rows: list[timing.Row]) -> str:
-    """torchmem's ratio against the profiler's, a line per case."""
+    """torchmem's default meter's ratio against the profiler's, a line per case."""
     ratios: dict[str, dict[str, float]] = {}
     for case, name, _, ratio in rows:
         if ratio is not None:
-            ratios.setdefault(case, {})[name.split()[0]] = ratio
+            ratios.setdefault(case, {})[name] = ratio
     lines = []
     for case, found in ratios.items():
-        ours, theirs = found["torchmem"], found["torch.profiler(profile_memory=True)"]
+        ours = next(r for name, r in found.items() if name.startswith("torchmem"))
+        theirs = found["torch.profiler(profile_memory=True)"]
         verdict = "met" if ours < theirs else "missed"
         lines.append(f"- {case}: torchmem {ours:.2f}x, torch.profiler {theirs:.2f}x ({verdict})")
     return "\n".join(lines)

@@ -133,25 +133,43 @@ class CpuDispatchMeter(TensorMeter):
 def live_storages() -> list[torch.UntypedStorage]:
     """Every CPU storage that Python objects (tensors, storages) reach now, once each."""
     storages: dict[int, torch.UntypedStorage] = {}
+    kinds = _KINDS
     for obj in gc.get_objects():
         cls = type(obj)  # not isinstance: some objects' __class__ warns (reduce_op)
-        if issubclass(cls, torch.Tensor):
+        kind = kinds.get(cls)
+        if kind is None:
+            kind = kinds[cls] = _kind(cls)
+        if kind is _OTHER:
+            continue
+        if kind is _TENSOR:
             try:
                 if obj.device.type != "cpu":
                     continue
                 found = list(storages_of(obj))
             except (NotImplementedError, RuntimeError):  # subclasses without storage
                 continue
-        elif issubclass(cls, torch.UntypedStorage):
-            found = [obj]
-        elif issubclass(cls, torch.TypedStorage):
-            found = [obj.untyped()]
         else:
-            continue
+            found = [obj if kind is _UNTYPED else obj.untyped()]
         for storage in found:
             if storage.device.type == "cpu":
                 storages.setdefault(storage_key(storage), storage)
     return list(storages.values())
+
+
+_OTHER, _TENSOR, _UNTYPED, _TYPED = "other", "tensor", "untyped", "typed"
+_KINDS: dict[type, str] = {}
+"""Each class met in a walk, and what it is to the walk (most objects are none of these:
+one dictionary look-up each)."""
+
+
+def _kind(cls: type) -> str:
+    if issubclass(cls, torch.Tensor):
+        return _TENSOR
+    if issubclass(cls, torch.UntypedStorage):
+        return _UNTYPED
+    if issubclass(cls, torch.TypedStorage):
+        return _TYPED
+    return _OTHER
 
 
 _allocator_meter: CpuAllocatorMeter | None = None

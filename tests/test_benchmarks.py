@@ -16,7 +16,10 @@ def test_meter_benchmark_runs_and_tabulates():
     assert [(case, name) for case, name, _, _ in rows] == [
         (case, name) for case in meters.CASES for name in meters.contenders("cpu")
     ]
-    assert list(meters.contenders("cpu"))[1] == "torchmem TensorMeter"
+    assert list(meters.contenders("cpu"))[1:3] == [
+        "torchmem CpuAllocatorMeter",
+        "torchmem CpuDispatchMeter",
+    ]
     assert [ratio for case, name, _, ratio in rows if name == "unwatched"] == [1.0, 1.0]
     text = meters.table(rows).splitlines()
     assert text[0] == "| case | contender | median | ratio |"
@@ -24,6 +27,13 @@ def test_meter_benchmark_runs_and_tabulates():
     verdicts = meters.verdicts(rows).splitlines()
     assert [line.split(":")[0] for line in verdicts] == [f"- {case}" for case in meters.CASES]
     assert all(line.endswith(("(met)", "(missed)")) for line in verdicts)
+    per_op = meters.per_op(rows, ops=100).splitlines()
+    assert [line.split(":")[0] for line in per_op] == [
+        "- torchmem CpuAllocatorMeter",
+        "- torchmem CpuDispatchMeter",
+        "- torch.profiler(profile_memory=True)",
+    ]
+    assert per_op[0].endswith(("µs: met)", "µs: missed)"))
 
 
 def test_line_benchmark_runs_and_tabulates():
@@ -115,7 +125,7 @@ def test_the_whole_suite_runs_and_writes_its_sections(monkeypatch):
     assert headings == [
         "## 1. Peak exactness",
         "## 2. Line profiler overhead",
-        "## 3. Tensor meter overhead per operator",
+        "## 3. CPU meter overhead per operator",
         "## 4. Background cost of the cell logger",
         "## 5. Tensor reporter",
     ]

@@ -34,7 +34,7 @@ _EXPORTS = {
         "nvml_handle",
         "preload_pytorch",
     ),
-    "torchmem.errors": ("TorchmemError",),
+    "torchmem.errors": ("TorchmemError", "TorchmemWarning"),
     "torchmem.lines": (
         "clear_global_line_profiler",
         "DEFAULT_COLUMNS",
@@ -140,6 +140,7 @@ if _typing.TYPE_CHECKING:
     )
     from torchmem.errors import (
         TorchmemError as TorchmemError,
+        TorchmemWarning as TorchmemWarning,
     )
     from torchmem.lines import (
         DEFAULT_COLUMNS as DEFAULT_COLUMNS,

@@ -16,7 +16,7 @@ def test_meter_benchmark_runs_and_tabulates():
     assert [(case, name) for case, name, _, _ in rows] == [
         (case, name) for case in meters.CASES for name in meters.contenders("cpu")
     ]
-    assert list(meters.contenders("cpu"))[1] == "torchmem TensorMeter"
+    assert list(meters.contenders("cpu"))[1] == "torchmem CpuAllocatorMeter"
     assert [ratio for case, name, _, ratio in rows if name == "unwatched"] == [1.0, 1.0]
     text = meters.table(rows).splitlines()
     assert text[0] == "| case | contender | median | ratio |"

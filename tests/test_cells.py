@@ -3,6 +3,10 @@
 The GPU row is CPU tensors here (:func:`standins.hide_gpus`), exact to the byte on any
 machine; the GPU wiring is checked through the CUDA and NVML stand-ins, and process RAM
 in a fresh process, where no other thread moves the resident size.
+
+The CPU meter counts every CPU tensor of the process, so *Used Total* includes what was
+alive before a test: earlier tests' shells among it (IPython's ``atexit`` hook keeps
+every shell, and its cells' tensors, alive). Tests read that base with :func:`alive`.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from standins import (
     gpu_uuid,
     install_gpus,
 )
-from torchmem import CellLogger, CellRecord, IPyGPULogger
+from torchmem import CellLogger, CellRecord, IPyGPULogger, meter
 from torchmem.notebook.memlog import register
 from torchmem.records.cells import Data
 
@@ -56,6 +60,17 @@ def run(shell: InteractiveShell, cell: str, capsys: pytest.CaptureFixture[str]) 
     return out[starts[0] :] if starts else []
 
 
+def alive() -> int:
+    """Bytes of CPU tensors alive in the process now, as the logger's CPU meter counts."""
+    gc.collect()
+    return meter("cpu").used()
+
+
+def cpu_row(consumed: int, peaked: int, used: int) -> str:
+    """The report's CPU tensors row for whole MB `consumed` and `peaked`, `used` bytes."""
+    return f"CPU tensors:    {consumed:5d}  {peaked:5d}  {used // MiB:5d} MB"
+
+
 def our_callbacks(shell: InteractiveShell, logger: CellLogger) -> list[object]:
     return [
         callback
@@ -70,9 +85,14 @@ def our_callbacks(shell: InteractiveShell, logger: CellLogger) -> list[object]:
 
 def test_a_cell_that_keeps_a_tensor_consumed_exactly_its_bytes(ipython, logger, capsys):
     logger.start()
+    base = alive()
     lines = run(ipython, "x = torch.zeros(1024, 1024)", capsys)
     record = logger.history[-1]
-    assert (record.gpu_used_delta, record.gpu_peaked, record.gpu_used) == (4 * MiB, 0, 4 * MiB)
+    assert (record.gpu_used_delta, record.gpu_peaked, record.gpu_used) == (
+        4 * MiB,
+        0,
+        base + 4 * MiB,
+    )
     assert record.gpu_device == "cpu"
     assert record.execution_count == ipython.execution_count - 1
     assert len(lines) == 3
@@ -80,35 +100,39 @@ def test_a_cell_that_keeps_a_tensor_consumed_exactly_its_bytes(ipython, logger, 
     assert lines[0].startswith("RAM:         Consumed Peaked  Used Total  in ")
     assert lines[0].endswith(f" (In [{record.execution_count}])")
     assert GEN_ROW.match(lines[1]), lines[1]
-    assert lines[2] == "CPU tensors:        4      0      4 MB"
+    assert lines[2] == cpu_row(4, 0, base + 4 * MiB)
     assert logger.data.gpu_mem_used_delta == 4
-    assert logger.data.gpu_mem_used == 4
+    assert logger.data.gpu_mem_used == (base + 4 * MiB) // MiB
 
 
 def test_a_temporary_freed_inside_one_call_shows_as_peaked(ipython, logger, capsys):
     logger.start()
+    base = alive()
     run(ipython, "x = torch.zeros(1024, 1024)", capsys)
-    lines = run(ipython, "torch.zeros(2048, 1024).sum()", capsys)
+    # norm, not sum: a large sum also allocates a partial sum per thread (machine-dependent)
+    lines = run(ipython, "torch.zeros(2048, 1024).norm()", capsys)
     record = logger.history[-1]
-    # the 4-byte sum is kept as Out[n]; the 8 MiB of zeros died inside the cell
+    # the 4-byte norm is kept as Out[n]; the 8 MiB of zeros died inside the cell
     assert record.gpu_used_delta == 4
     assert record.gpu_peaked == 8 * MiB
-    assert record.gpu_used == 4 * MiB + 4
-    assert lines[2] == "CPU tensors:        0      8      4 MB"
+    assert record.gpu_used == base + 4 * MiB + 4
+    assert lines[2] == cpu_row(0, 8, base + 4 * MiB + 4)
 
 
 def test_freeing_reports_a_negative_consumed_and_no_peak(ipython, logger, capsys):
     logger.start()
+    base = alive()
     run(ipython, "x = torch.zeros(1024, 1024)", capsys)
     lines = run(ipython, "del x", capsys)
     record = logger.history[-1]
-    assert (record.gpu_used_delta, record.gpu_peaked, record.gpu_used) == (-4 * MiB, 0, 0)
-    assert lines[2] == "CPU tensors:       -4      0      0 MB"
+    assert (record.gpu_used_delta, record.gpu_peaked, record.gpu_used) == (-4 * MiB, 0, base)
+    assert lines[2] == cpu_row(-4, 0, base)
 
 
 def test_data_is_seed_shaped_whole_mb_and_unpacks_into_seven(ipython, logger, capsys):
     assert logger.data == Data(0, 0, 0, 0, 0, 0, 0.0)
     logger.start()
+    base = alive()
     run(ipython, "x = torch.zeros(3 * 1024 * 1024 // 4 + 1)", capsys)  # 3 MiB + 4 bytes
     (
         _gen_mem_used_delta,
@@ -119,7 +143,7 @@ def test_data_is_seed_shaped_whole_mb_and_unpacks_into_seven(ipython, logger, ca
         gpu_mem_used,
         time_delta,
     ) = logger.data
-    assert (gpu_mem_used_delta, gpu_mem_peaked, gpu_mem_used) == (3, 0, 3)
+    assert (gpu_mem_used_delta, gpu_mem_peaked, gpu_mem_used) == (3, 0, (base + 3 * MiB + 4) // MiB)
     assert logger.history[-1].gpu_used_delta == 3 * MiB + 4
     assert gen_mem_used == logger.history[-1].gen_used // MiB
     assert isinstance(time_delta, float) and time_delta >= 0
@@ -217,10 +241,12 @@ def test_a_cell_that_stops_the_logger_is_not_reported(ipython, logger, capsys):
 def test_compact_mode_prints_one_line(ipython, logger, capsys):
     logger.compact = True
     logger.start()
+    base = alive()
     lines = run(ipython, "x = torch.zeros(1024, 1024)", capsys)
     assert len(lines) == 1
+    used = (base + 4 * MiB) // MiB
     assert re.fullmatch(
-        r"Gen: -?\d+/\d+/\d+ MB \| CPU tensors: 4/0/4 MB \| Time \d+\.\d{3}s"
+        rf"Gen: -?\d+/\d+/\d+ MB \| CPU tensors: 4/0/{used} MB \| Time \d+\.\d{{3}}s"
         r" \| \(Consumed/Peaked/Used Total\)",
         lines[0],
     ), lines[0]
@@ -280,15 +306,16 @@ def test_plot_returns_a_figure(ipython, logger, capsys):
     from matplotlib.figure import Figure
 
     logger.start()
+    base = alive()
     run(ipython, "x = torch.zeros(1024, 1024)", capsys)
-    run(ipython, "torch.zeros(2048, 1024).sum()", capsys)
+    run(ipython, "torch.zeros(2048, 1024).norm()", capsys)
     figure = logger.plot()
     assert isinstance(figure, Figure)
     _, bottom = figure.axes
     assert bottom.get_title() == "CPU tensors"
     used, peak = bottom.get_lines()
-    assert list(used.get_ydata()) == [4.0, 4.0 + 4 / MiB]
-    assert list(peak.get_ydata()) == [4.0, 12.0 + 4 / MiB]
+    assert list(used.get_ydata()) == [(base + 4 * MiB) / MiB, (base + 4 * MiB + 4) / MiB]
+    assert list(peak.get_ydata()) == [(base + 4 * MiB) / MiB, (base + 12 * MiB + 4) / MiB]
     figure.savefig(__import__("io").BytesIO(), format="png")
 
 

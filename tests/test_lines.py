@@ -1,9 +1,15 @@
-"""The line profiler, exact to the byte on CPU tensors."""
+"""The line profiler, exact to the byte on CPU tensors.
+
+The CPU meter counts every CPU tensor of the process, so a line's peak (the highest use
+while it ran, as ``active_bytes.all.peak`` is on a GPU) includes what was alive before
+the test, earlier tests' leftovers among it: tests read that base with :func:`alive`.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import atexit
+import gc
 import subprocess
 import sys
 import textwrap
@@ -17,12 +23,14 @@ import torchmem.lines
 from standins import (
     CudaStandIn,
     GiB,
+    KiB,
     MiB,
     StandInGpu,
     call_in_fresh_process_without_gpu,
     gpu_uuid,
 )
-from torchmem import LineProfiler, profile, profile_every, set_target_gpu, valid_columns
+from torchmem import LineProfiler, meter, profile, profile_every, set_target_gpu, valid_columns
+from torchmem.units import readable_size
 
 PEAK, DELTA = "active_bytes.all.peak", "active_bytes.all.delta"
 
@@ -30,10 +38,21 @@ PEAK, DELTA = "active_bytes.all.peak", "active_bytes.all.delta"
 @pytest.fixture(autouse=True)
 def _global_on_cpu(isolated_meters: None, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """A fresh global profiler on CPU tensors, whatever the machine has (and a fresh meter
-    registry, so the CPU tensor meter starts at 0 bytes)."""
+    registry)."""
     monkeypatch.setattr(torchmem.lines.memlab, "_global", LineProfiler(device="cpu"))
     yield
     atexit.unregister(torchmem.lines.memlab._global.print_stats)  # @profile's report at exit
+
+
+def alive() -> int:
+    """Bytes of CPU tensors alive in the process now, as the profiler's meter counts."""
+    gc.collect()
+    return meter("cpu").used()
+
+
+def cell(nbytes: int) -> str:
+    """`nbytes` as a byte column of the text report shows it."""
+    return f"{readable_size(nbytes):>12}"
 
 
 def stats(prof: LineProfiler, func, offset: int) -> tuple[int, dict[str, int]]:
@@ -49,12 +68,13 @@ def stats(prof: LineProfiler, func, offset: int) -> tuple[int, dict[str, int]]:
 
 def allocate():
     a = torch.zeros(1024, 1024)
-    b = torch.zeros(2048, 1024) + 1
+    b = torch.zeros(2048, 1024).exp()
     del b
     return a
 
 
 def test_text_report_is_exact():
+    base = alive()
     with LineProfiler(allocate, device="cpu") as prof:
         allocate()
     n = allocate.__code__.co_firstlineno
@@ -65,31 +85,38 @@ active_bytes active_bytes hits line code
          all          all
         peak        delta
 {"":31}{n:>4} def allocate():
-       4.00M        4.00M    1 {n + 1:>4}     a = torch.zeros(1024, 1024)
-      20.00M        8.00M    1 {n + 2:>4}     b = torch.zeros(2048, 1024) + 1
-      12.00M       -8.00M    1 {n + 3:>4}     del b
-       4.00M        0.00B    1 {n + 4:>4}     return a
+{cell(base + 4 * MiB)}        4.00M    1 {n + 1:>4}     a = torch.zeros(1024, 1024)
+{cell(base + 20 * MiB)}        8.00M    1 {n + 2:>4}     b = torch.zeros(2048, 1024).exp()
+{cell(base + 12 * MiB)}       -8.00M    1 {n + 3:>4}     del b
+{cell(base + 4 * MiB)}        0.00B    1 {n + 4:>4}     return a
 """
     assert str(prof.display()) == expected
     assert repr(prof.display()) == expected
 
 
 def temporary():
-    total = (torch.zeros(1024, 1024) + 1).sum()
-    return total
+    norm = (torch.zeros(1024, 1024) + 1).norm()
+    return norm
+
+
+# The scalar 1 of `+ 1`, as an int64 wrapper and its float32 copy, alive while the sum is
+# allocated. (The norm allocates no scratch; a large sum's per-thread partial sums would.)
+SCALAR = 8 + 4
 
 
 def test_a_temporary_freed_on_its_line_shows_in_the_peak_not_the_change():
+    base = alive()
     with LineProfiler(temporary, device="cpu") as prof:
         temporary()
     hits, line = stats(prof, temporary, 1)
     assert hits == 1
-    assert line[PEAK] == 8 * MiB  # zeros and zeros + 1, both alive at once
-    assert line[DELTA] == 4  # only the float32 sum is kept
-    assert line["active_bytes.all.allocated"] == 8 * MiB + 4
-    assert line["active_bytes.all.freed"] == 8 * MiB
-    assert line["active_bytes.all.current"] == 4
-    assert line["allocated_bytes.all.peak"] == 8 * MiB  # the same count, CUDA's other name
+    assert line[PEAK] == base + 8 * MiB + SCALAR  # zeros and zeros + 1, both alive at once
+    assert line[DELTA] == 4  # only the float32 norm is kept
+    assert line["active_bytes.all.allocated"] == 8 * MiB + SCALAR + 4
+    assert line["active_bytes.all.freed"] == 8 * MiB + SCALAR
+    assert line["active_bytes.all.current"] == base + 4
+    # the same count, CUDA's other name
+    assert line["allocated_bytes.all.peak"] == base + 8 * MiB + SCALAR
 
 
 def test_print_stats_writes_the_text_with_the_columns_asked_for(capsys):
@@ -106,8 +133,8 @@ active_bytes active_bytes hits line code
          all          all
    allocated        freed
 {"":31}{n:>4} def temporary():
-       8.00M        8.00M    1 {n + 1:>4}     total = (torch.zeros(1024, 1024) + 1).sum()
-       0.00B        0.00B    1 {n + 2:>4}     return total
+       8.00M        8.00M    1 {n + 1:>4}     norm = (torch.zeros(1024, 1024) + 1).norm()
+       0.00B        0.00B    1 {n + 2:>4}     return norm
 """
     )
 
@@ -120,6 +147,7 @@ def loop():
 
 
 def test_a_line_run_many_times_shows_its_highest_peak_and_summed_change():
+    base = alive()
     with LineProfiler(loop, device="cpu") as prof:
         loop()
     assert stats(prof, loop, 1)[0] == 1
@@ -128,14 +156,14 @@ def test_a_line_run_many_times_shows_its_highest_peak_and_summed_change():
     assert hits == 4  # three turns and the exit
     hits, body = stats(prof, loop, 3)
     assert hits == 3
-    assert body[PEAK] == 3 * MiB
+    assert body[PEAK] == base + 3 * MiB
     assert body[DELTA] == 3 * MiB
-    assert body["active_bytes.all.current"] == 3 * MiB
+    assert body["active_bytes.all.current"] == base + 3 * MiB
 
 
 def inner():
     t = torch.zeros(1024, 1024)
-    return t.sum()
+    return t.norm()
 
 
 def outer():
@@ -150,16 +178,18 @@ def unwatched():
 
 
 def test_nested_calls_charge_each_line_and_the_calling_line_sees_their_peak():
+    base = alive()
     with LineProfiler(outer, inner, device="cpu") as prof:
         outer()
     assert stats(prof, inner, 1)[0] == 1
-    assert stats(prof, inner, 1)[1][PEAK] == 2 * MiB + 4 * MiB
+    assert stats(prof, inner, 1)[1][PEAK] == base + 2 * MiB + 4 * MiB
     assert stats(prof, inner, 1)[1][DELTA] == 4 * MiB
     calling = stats(prof, outer, 2)[1]
-    assert calling[PEAK] == 6 * MiB + 4  # t and its sum, before inner returned
-    assert calling[DELTA] == 0  # t died with inner's frame, the 4-byte sum unused
+    assert calling[PEAK] == base + 6 * MiB + 4  # t and its norm, before inner returned
+    assert calling[DELTA] == 0  # t died with inner's frame, the 4-byte norm unused
     assert calling["active_bytes.all.allocated"] == 4 * MiB + 4
-    assert stats(prof, outer, 3)[1][PEAK] == 2 * MiB + 16 * MiB  # not watched, still seen
+    # not watched, still seen
+    assert stats(prof, outer, 3)[1][PEAK] == base + 2 * MiB + 16 * MiB
 
 
 def recurse(n):
@@ -170,15 +200,16 @@ def recurse(n):
 
 
 def test_recursion():
+    base = alive()
     with LineProfiler(recurse, device="cpu") as prof:
         recurse(3)
     hits, line = stats(prof, recurse, 1)
     assert hits == 3
     assert line[DELTA] == (3 + 2 + 1) * 4096
-    assert line[PEAK] == (3 + 2 + 1) * 4096
+    assert line[PEAK] == base + (3 + 2 + 1) * 4096
     hits, call = stats(prof, recurse, 3)
     assert hits == 2
-    assert call[PEAK] == (3 + 2 + 1) * 4096
+    assert call[PEAK] == base + (3 + 2 + 1) * 4096
     assert call[DELTA] == 0
 
 
@@ -218,12 +249,13 @@ def test_generators_coroutines_and_methods():
 
 
 def test_threads_started_while_profiling_are_profiled():
+    base = alive()
     with LineProfiler(allocate, device="cpu") as prof:
         thread = threading.Thread(target=allocate)
         thread.start()
         thread.join()
     assert stats(prof, allocate, 1)[0] == 1
-    assert stats(prof, allocate, 2)[1][PEAK] == 20 * MiB
+    assert stats(prof, allocate, 2)[1][PEAK] == base + 20 * MiB
     assert stats(prof, allocate, 2)[1][DELTA] == 8 * MiB
 
 
@@ -237,11 +269,14 @@ def test_a_function_that_never_ran_says_no_data_collected():
 
 
 def test_html_report_is_exact():
+    base = alive()
     with LineProfiler(temporary, device="cpu") as prof:
         temporary()
     n = temporary.__code__.co_firstlineno
     code = ' style="text-align: left; white-space: pre; font-family: monospace"'
     bar = "background: linear-gradient(90deg, {} {}%, transparent {}%)"
+    top, last = base + 8 * MiB + SCALAR, base + 4  # the peak column's bars scale to its top
+    width = f"{99 * last / top:.1f}"
     expected = (
         '<h3><span style="font-family: monospace">temporary</span></h3><div>'
         '<table style="border-collapse: collapse">'
@@ -249,12 +284,12 @@ def test_html_report_is_exact():
         "<th>active_bytes<br>all<br>peak</th><th>active_bytes<br>all<br>delta</th>"
         "<th>hits</th><th>line</th><th>code</th></tr></thead><tbody>"
         f"<tr><td></td><td></td><td></td><td>{n}</td><td{code}>def temporary():</td></tr>"
-        f'<tr><td style="{bar.format("#4878d0", "99.0", "99.0")}">8.00M</td>'
+        f'<tr><td style="{bar.format("#4878d0", "99.0", "99.0")}">{readable_size(top)}</td>'
         f'<td style="{bar.format("#ee854a", "99.0", "99.0")}">4.00B</td>'
         f"<td>1</td><td>{n + 1}</td>"
-        f"<td{code}>    total = (torch.zeros(1024, 1024) + 1).sum()</td></tr>"
-        f'<tr><td style="{bar.format("#4878d0", "0.0", "0.0")}">4.00B</td><td>0.00B</td>'
-        f"<td>1</td><td>{n + 2}</td><td{code}>    return total</td></tr>"
+        f"<td{code}>    norm = (torch.zeros(1024, 1024) + 1).norm()</td></tr>"
+        f'<tr><td style="{bar.format("#4878d0", width, width)}">{readable_size(last)}</td>'
+        f"<td>0.00B</td><td>1</td><td>{n + 2}</td><td{code}>    return norm</td></tr>"
         "</tbody></table></div>"
     )
     assert prof.display()._repr_html_() == expected
@@ -267,7 +302,8 @@ def test_html_escapes_code_and_draws_no_bar_for_an_all_zero_column(recwarn):
 
     with LineProfiler(tags, device="cpu") as prof:
         tags()
-    html = prof.display()._repr_html_()
+    # the delta alone: the peak column holds the tensors alive before (earlier tests')
+    html = prof.display(columns=["active_bytes.all.delta"])._repr_html_()
     assert "text = &quot;&lt;b&gt;&amp;&lt;/b&gt;&quot;" in html
     assert "gradient" not in html
     assert not recwarn.list
@@ -275,6 +311,7 @@ def test_html_escapes_code_and_draws_no_bar_for_an_all_zero_column(recwarn):
 
 def test_dataframe_has_a_row_per_source_line():
     pd = pytest.importorskip("pandas")
+    base = alive()
     with LineProfiler(temporary, device="cpu") as prof:
         temporary()
     frame = prof.to_dataframe()
@@ -283,7 +320,7 @@ def test_dataframe_has_a_row_per_source_line():
     assert list(frame["line"]) == [n, n + 1, n + 2]
     assert list(frame["hits"]) == [0, 1, 1]
     assert pd.isna(frame[PEAK][0])
-    assert frame[PEAK][1] == 8 * MiB
+    assert frame[PEAK][1] == base + 8 * MiB + SCALAR
     assert frame[DELTA][1] == 4
 
 
@@ -377,6 +414,7 @@ def test_another_tracer_keeps_every_event_and_is_restored():
     finally:
         sys.settrace(previous)
     profiled = Recorder(allocate, temporary)
+    base = alive()
     sys.settrace(profiled)
     try:
         with LineProfiler(allocate, device="cpu") as prof:
@@ -386,7 +424,7 @@ def test_another_tracer_keeps_every_event_and_is_restored():
         sys.settrace(previous)
     assert profiled.events == plain.events
     assert len(plain.events) == 10
-    assert stats(prof, allocate, 2)[1][PEAK] == 20 * MiB
+    assert stats(prof, allocate, 2)[1][PEAK] == base + 20 * MiB
 
 
 def test_unwatched_frames_are_not_traced():
@@ -415,6 +453,7 @@ def torchmem_tools():
 
 @needs_monitoring
 def test_from_python_3_12_events_come_from_sys_monitoring():
+    base = alive()
     before = sys.gettrace()
     with LineProfiler(allocate, device="cpu") as prof:
         assert sys.gettrace() is before
@@ -423,7 +462,7 @@ def test_from_python_3_12_events_come_from_sys_monitoring():
         thread.start()
         thread.join()
     assert torchmem_tools() == []
-    assert stats(prof, allocate, 2)[1][PEAK] == 20 * MiB
+    assert stats(prof, allocate, 2)[1][PEAK] == base + 20 * MiB
     assert stats(prof, allocate, 2)[0] == 1
 
 
@@ -432,6 +471,7 @@ def test_without_a_free_monitoring_tool_id_settrace_is_used():
     taken = [t for t in (3, 4) if sys.monitoring.get_tool(t) is None]
     for tool in taken:
         sys.monitoring.use_tool_id(tool, "someone else")
+    base = alive()
     try:
         with LineProfiler(allocate, device="cpu") as prof:
             assert sys.gettrace().__qualname__ == "_hook.<locals>.hook"
@@ -439,18 +479,19 @@ def test_without_a_free_monitoring_tool_id_settrace_is_used():
     finally:
         for tool in taken:
             sys.monitoring.free_tool_id(tool)
-    assert stats(prof, allocate, 2)[1][PEAK] == 20 * MiB
+    assert stats(prof, allocate, 2)[1][PEAK] == base + 20 * MiB
 
 
 def test_leaving_one_profiler_leaves_another_on():
     first = LineProfiler(allocate, device="cpu")
     second = LineProfiler(temporary, device="cpu")
+    base = alive()
     with first:
         with second:
             temporary()
         allocate()
-    assert stats(first, allocate, 2)[1][PEAK] == 20 * MiB
-    assert stats(second, temporary, 1)[1][PEAK] == 8 * MiB
+    assert stats(first, allocate, 2)[1][PEAK] == base + 20 * MiB
+    assert stats(second, temporary, 1)[1][PEAK] == base + 8 * MiB + SCALAR
     assert not first.records(temporary)
 
 
@@ -479,16 +520,17 @@ def test_a_function_without_source_lists_the_lines_that_ran():
         namespace,
     )
     nosource = namespace["nosource"]
+    base = alive()
     with LineProfiler(nosource, device="cpu") as prof:
         nosource()
-    assert str(prof.display()) == textwrap.dedent("""\
+    assert str(prof.display()) == textwrap.dedent(f"""\
         ## nosource
 
         active_bytes active_bytes hits line code
                  all          all
                 peak        delta
-               1.00K        1.00K    1    2
-               1.00K        0.00B    1    3
+        {cell(base + KiB)}        1.00K    1    2
+        {cell(base + KiB)}        0.00B    1    3
         """)
 
 
@@ -501,6 +543,7 @@ def test_a_function_defined_in_an_ipython_cell():
             "def cell_function():\n    x = torch.zeros(1024, 1024)\n    return x\n",
             store_history=True,
         )
+        base = alive()
         result = shell.run_cell(
             "with LineProfiler(cell_function, device='cpu') as prof:\n    cell_function()\n"
             "str(prof.display())",
@@ -519,8 +562,8 @@ def test_a_function_defined_in_an_ipython_cell():
     ]
     assert lines[5:] == [
         f"{'':34}1 def cell_function():",
-        "       4.00M        4.00M    1    2     x = torch.zeros(1024, 1024)",
-        "       4.00M        0.00B    1    3     return x",
+        f"{cell(base + 4 * MiB)}        4.00M    1    2     x = torch.zeros(1024, 1024)",
+        f"{cell(base + 4 * MiB)}        0.00B    1    3     return x",
     ]
 
 

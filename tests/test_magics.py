@@ -3,10 +3,14 @@ tensors whatever the machine has."""
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 from IPython.core.interactiveshell import InteractiveShell
 
-from torchmem import LineProfiler, LineReport
+from standins import MiB
+from torchmem import LineProfiler, LineReport, meter
+from torchmem.units import readable_size
 
 SETUP = """\
 import torch
@@ -16,22 +20,33 @@ def allocate():
     return a
 """
 
-REPORT = f"""\
+
+def report(base: int) -> str:
+    """The report of one call of `allocate`, with `base` bytes of CPU tensors alive before
+    it: the CPU meter counts every tensor of the process, earlier tests' leftovers too."""
+    peak = f"{readable_size(base + 4 * MiB):>12}"
+    return f"""\
 ## allocate
 
 active_bytes active_bytes hits line code
          all          all
         peak        delta
 {"":34}3 def allocate():
-       4.00M        4.00M    1    4     a = torch.zeros(1024, 1024)
-       4.00M        0.00B    1    5     return a
+{peak}        4.00M    1    4     a = torch.zeros(1024, 1024)
+{peak}        0.00B    1    5     return a
 """
+
+
+def alive() -> int:
+    """Bytes of CPU tensors alive in the process now, as the profiler's meter counts."""
+    gc.collect()
+    return meter("cpu").used()
 
 
 @pytest.fixture
 def shell(ipython: InteractiveShell, no_gpu: None, isolated_meters: None) -> InteractiveShell:
     """A fresh shell with torchmem loaded and `allocate` defined; no GPU visible, so the
-    profiler measures CPU tensors, from 0 bytes."""
+    profiler measures CPU tensors."""
     ipython.run_line_magic("load_ext", "torchmem")
     run(ipython, SETUP)
     return ipython
@@ -53,18 +68,21 @@ def usage_error(ipython: InteractiveShell, code: str, capsys: pytest.CaptureFixt
 
 
 def test_line_mode_returns_the_report(shell):
-    report = run(shell, "%mlrun -f allocate allocate()")
-    assert isinstance(report, LineReport)
-    assert str(report) == REPORT
-    assert "<table" in report._repr_html_()
+    base = alive()
+    shown = run(shell, "%mlrun -f allocate allocate()")
+    assert isinstance(shown, LineReport)
+    assert str(shown) == report(base)
+    assert "<table" in shown._repr_html_()
 
 
 def test_cell_mode_runs_the_cell_in_the_user_namespace(shell):
-    report = run(shell, "%%mlrun -f allocate\nkept = allocate()\nkept = allocate()\n")
-    lines = str(report).splitlines()
+    base = alive()
+    shown = run(shell, "%%mlrun -f allocate\nkept = allocate()\nkept = allocate()\n")
+    lines = str(shown).splitlines()
+    peak = f"{readable_size(base + 8 * MiB):>12}"  # the second call, the first's kept alive
     assert lines[6:] == [
-        "       8.00M        8.00M    2    4     a = torch.zeros(1024, 1024)",
-        "       8.00M        0.00B    2    5     return a",
+        f"{peak}        8.00M    2    4     a = torch.zeros(1024, 1024)",
+        f"{peak}        0.00B    2    5     return a",
     ]
     assert run(shell, "tuple(kept.shape)") == (1024, 1024)
 
@@ -77,8 +95,8 @@ def test_the_statement_is_run_as_typed(shell):
 
 
 def test_columns_follow_the_defaults(shell):
-    report = run(shell, "%mlrun -f allocate -c active_bytes.all.allocated allocate()")
-    assert report.columns == (
+    shown = run(shell, "%mlrun -f allocate -c active_bytes.all.allocated allocate()")
+    assert shown.columns == (
         "active_bytes.all.peak",
         "active_bytes.all.delta",
         "active_bytes.all.allocated",
@@ -86,9 +104,10 @@ def test_columns_follow_the_defaults(shell):
 
 
 def test_return_profiler(shell):
+    base = alive()
     profiler = run(shell, "%mlrun -r -f allocate allocate()")
     assert isinstance(profiler, LineProfiler)
-    assert str(profiler.display()) == REPORT
+    assert str(profiler.display()) == report(base)
 
 
 def test_quiet_shows_nothing(shell, capsys):
@@ -100,11 +119,11 @@ def test_quiet_shows_nothing(shell, capsys):
 
 def test_dump_profile_uses_the_chosen_columns(shell, tmp_path):
     path = tmp_path / "profile.txt"
-    report = run(
+    shown = run(
         shell,
         f"%mlrun -q -T {path} -c active_bytes.all.allocated -D -f allocate allocate()",
     )
-    assert report is None
+    assert shown is None
     assert path.read_text() == (
         "## allocate\n"
         "\n"
@@ -118,8 +137,9 @@ def test_dump_profile_uses_the_chosen_columns(shell, tmp_path):
 
 
 def test_device_option(shell):
-    report = run(shell, "%mlrun -d cpu -f allocate allocate()")
-    assert str(report) == REPORT
+    base = alive()
+    shown = run(shell, "%mlrun -d cpu -f allocate allocate()")
+    assert str(shown) == report(base)
 
 
 def test_unknown_function(shell, capsys):

@@ -10,14 +10,26 @@ import torch
 import torchmem
 from standins import MiB
 from torchmem import TensorMeter, TorchmemError, meter
-from torchmem.meters import RamMeter
+from torchmem.meters import CpuAllocatorMeter, CpuDispatchMeter, RamMeter
 
 
-def test_default_meter_without_a_gpu_is_the_cpu_tensor_meter(no_gpu):
-    assert isinstance(meter(), TensorMeter)
+def test_default_meter_without_a_gpu_is_the_cpu_allocator_meter(no_gpu):
+    assert isinstance(meter(), CpuAllocatorMeter)
+    assert meter().backend == "allocator"
     assert meter() is meter("cpu") is meter(torch.device("cpu"))
     assert meter().device == "cpu"
     assert meter().exact
+
+
+def test_the_environment_chooses_the_dispatch_backend(isolated_meters, monkeypatch):
+    monkeypatch.setenv("TORCHMEM_CPU_METER", "dispatch")
+    assert isinstance(meter("cpu"), CpuDispatchMeter)
+    assert isinstance(meter("cpu"), TensorMeter)
+    assert meter("cpu").backend == "dispatch"
+    monkeypatch.setattr(torchmem.meters, "_meters", {})
+    monkeypatch.setenv("TORCHMEM_CPU_METER", "bogus")
+    with pytest.raises(ValueError, match="TORCHMEM_CPU_METER='bogus'"):
+        meter("cpu")
 
 
 def test_meter_by_device_string():

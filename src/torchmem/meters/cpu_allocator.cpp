@@ -24,6 +24,7 @@
 #include <cstdint>
 #include <mutex>
 #include <new>
+#include <string>
 #include <unordered_map>
 
 namespace {
@@ -98,9 +99,17 @@ struct CountingAllocator final : c10::Allocator {
     void* block = nullptr;
     try {
       block = c10::alloc_cpu(n + kHeader);
-    } catch (c10::Error&) {
+    } catch (c10::Error& error) {
       c10::profiledCPUMemoryReporter().OutOfMemory(n);
-      throw;
+      // c10's message names the size asked of it: name the caller's instead.
+      std::string message = error.msg();
+      const std::string asked = std::to_string(n + kHeader);
+      const size_t at = message.find(asked);
+      if (at == std::string::npos) {
+        throw;
+      }
+      message.replace(at, asked.size(), std::to_string(n));
+      throw c10::Error(message, error.backtrace(), error.caller());
     }
     *static_cast<int64_t*>(block) = static_cast<int64_t>(n);
     void* data = static_cast<char*>(block) + kHeader;

@@ -17,7 +17,7 @@ alive. Each contender reports "peaked" (how far memory rose above both the start
 the end); a contender *caught* the spike when it saw at least half of it. The error is
 the reported peak minus the truth, and the table shows the worst of the runs.
 
-Tools that read RSS (every contender but the tensor meter) cannot be exact to the byte:
+Tools that read RSS (every contender but the CPU meter) cannot be exact to the byte:
 RSS counts whole pages, the allocator adds a header page to a large buffer, and Linux
 keeps RSS in per-CPU counters that the high-water mark reads without summing.
 """
@@ -49,7 +49,7 @@ class Spike:
     truth: int
     """Bytes the spike adds at its height."""
     tensors: bool
-    """Made of PyTorch tensors, so the tensor meter sees it."""
+    """Made of PyTorch tensors, so the CPU meter sees it."""
 
 
 def spikes(size: int = SIZE) -> list[Spike]:

@@ -1,4 +1,5 @@
-"""The tensor meter's quick paths: exact under torch.compile, in-place writes, long runs
+"""The tensor meter's quick paths: torch.compile compiling under it (operators it sees,
+buffers inductor allocates below the dispatcher it does not), in-place writes, long runs
 between readings, and frees from other threads."""
 
 import gc

@@ -36,10 +36,18 @@ def cpu(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, isolate
 
 
 def change(cpu: Meter, fn):
-    """Run `fn` in a window; return (used at the end - start, peak - start, what fn gave)."""
-    with cpu.window() as w:
-        kept = fn()
-    return cpu.used() - w.start, w.peak() - w.start, kept
+    """Run `fn` in a window; return (used at the end - start, peak - start, what fn gave).
+
+    Earlier tests' garbage is collected first, and no collection runs inside: a cycle
+    freed there would change the numbers."""
+    gc.collect()
+    gc.disable()
+    try:
+        with cpu.window() as w:
+            kept = fn()
+        return cpu.used() - w.start, w.peak() - w.start, kept
+    finally:
+        gc.enable()
 
 
 def state_dict() -> dict[str, torch.Tensor]:

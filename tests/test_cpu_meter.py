@@ -24,6 +24,11 @@ from standins import MiB
 from torchmem import LineProfiler, MemTrace, meter
 from torchmem.meters import CpuAllocatorMeter, CpuDispatchMeter, Meter
 
+pytestmark = [
+    # torch.compile's own import of TorchScript, and qint8 tensors, warn that they are deprecated
+    pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated"),
+    pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor:UserWarning"),
+]
 STATE_DICT_BYTES = 4_198_400  # a 1024x1024 float32 weight and a 1024 float32 bias
 
 

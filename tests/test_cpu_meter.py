@@ -351,6 +351,7 @@ def test_no_compiler_falls_back_with_one_warning(tmp_path):
     assert first == f"dispatch {4 * MiB} 1", done.stderr
     assert "counting CPU allocator is not available" in second
     assert "no-such-compiler" in second
+    assert list(tmp_path.glob("cache/*")) == []  # no half-built file left behind
 
 
 def test_no_compiler_on_path_falls_back(tmp_path):
@@ -361,6 +362,7 @@ def test_no_compiler_on_path_falls_back(tmp_path):
     first, second = done.stdout.splitlines()
     assert first == f"dispatch {4 * MiB} 1", done.stderr
     assert "no C++ compiler found" in second
+    assert list(tmp_path.glob("cache/*")) == []  # no half-built file left behind
 
 
 def test_a_fresh_cache_is_built_once_and_reused(tmp_path):

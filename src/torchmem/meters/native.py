@@ -118,6 +118,7 @@ def build(force: bool = False) -> Path:
     path = library_path()
     if path.exists() and not force:
         return path
+    cxx = compiler()
     root = Path(torch.__file__).parent
     abi = int(torch.compiled_with_cxx11_abi())
     try:
@@ -129,7 +130,7 @@ def build(force: bool = False) -> Path:
     fd, partial = tempfile.mkstemp(suffix=".so", dir=path.parent)
     os.close(fd)
     command = [
-        *compiler(),
+        *cxx,
         "-O2",
         "-std=c++17",
         "-shared",

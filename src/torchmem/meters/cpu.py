@@ -3,8 +3,8 @@ meter sees every tensor of a GPU.
 
 Two backends, chosen once per process at the first use of ``meter("cpu")``:
 
-- ``"allocator"``: PyTorch's CPU allocator wrapped by torchmem's counting allocator
-  (C++, built on first use, see :mod:`torchmem.meters.native`). Every storage of every
+- ``"allocator"``: PyTorch's default CPU allocator made to count by torchmem's counting
+  allocator (C++, built on first use, see :mod:`torchmem.meters.native`). Every storage of every
   thread, operators' temporaries and ``torch.tensor`` included, at no cost per operator.
 - ``"dispatch"``: the tensor meter's dispatch mode, made absolute by walking the live
   tensors (through ``gc``) when a thread opens its first window and closes its last,

@@ -25,6 +25,7 @@
 #include <mutex>
 #include <new>
 #include <string>
+#include <typeinfo>
 #include <unordered_map>
 
 namespace {
@@ -101,11 +102,12 @@ struct CountingAllocator final : c10::Allocator {
       block = c10::alloc_cpu(n + kHeader);
     } catch (c10::Error& error) {
       c10::profiledCPUMemoryReporter().OutOfMemory(n);
-      // c10's message names the size asked of it: name the caller's instead.
+      // c10's message names the size asked of it: name the caller's instead (in a plain
+      // c10::Error only; a subclass is rethrown as it is, keeping its Python type).
       std::string message = error.msg();
       const std::string asked = std::to_string(n + kHeader);
       const size_t at = message.find(asked);
-      if (at == std::string::npos) {
+      if (at == std::string::npos || typeid(error) != typeid(c10::Error)) {
         throw;
       }
       message.replace(at, asked.size(), std::to_string(n));

@@ -30,6 +30,7 @@ COLLECTORS = {
     "torchmem.cells",
     "torchmem.devices",
     "torchmem.courtesy",
+    "torchmem.recorder",
 }
 FRONT_ENDS = {"torchmem", "torchmem.__main__", "torchmem.notebook", "torchmem.cli"}
 FRONT_ENDS |= {"torchmem.restore"}

@@ -64,6 +64,11 @@ _EXPORTS = {
         "oom_guard",
         "OOMReport",
     ),
+    "torchmem.recorder": (
+        "record",
+        "Recording",
+        "RunReport",
+    ),
     "torchmem.records.cells": ("CellRecord",),
     "torchmem.records.devices": ("GPUMemory",),
     "torchmem.records.tensors": ("TensorRecord",),
@@ -170,6 +175,11 @@ if _typing.TYPE_CHECKING:
         explain_oom as explain_oom,
         is_oom as is_oom,
         oom_guard as oom_guard,
+    )
+    from torchmem.recorder import (
+        Recording as Recording,
+        RunReport as RunReport,
+        record as record,
     )
     from torchmem.records.cells import (
         CellRecord as CellRecord,

@@ -215,6 +215,33 @@ def _nest(flat: dict[str, Any]) -> dict[str, Any]:
     return nested
 
 
+# CUDA allocator history ----------------------------------------------------------------
+
+_RECORD_HISTORY = lookup("torch.cuda.memory._record_memory_history")
+_SNAPSHOT = lookup("torch.cuda.memory._snapshot")
+
+
+def cuda_history_start(stacks: bool, entries: int) -> None:
+    """Make PyTorch's caching allocator record each allocation and free (with the Python
+    stack of each allocation where `stacks`), keeping the last `entries` actions."""
+    if _RECORD_HISTORY is None:
+        unsupported("torch.cuda.memory._record_memory_history", "Recording CUDA memory")()
+    _RECORD_HISTORY(
+        "all", context="alloc" if stacks else None, stacks="python", max_entries=entries
+    )
+
+
+def cuda_history_stop(device: int | None) -> dict[str, Any]:
+    """Stop recording the history; return ``torch.cuda.memory._snapshot(device)`` taken
+    just before."""
+    if _SNAPSHOT is None or _RECORD_HISTORY is None:
+        unsupported("torch.cuda.memory._snapshot", "Recording CUDA memory")()
+    try:
+        return _SNAPSHOT(device)  # type: ignore[no-any-return]
+    finally:
+        _RECORD_HISTORY(None)
+
+
 # CPython -------------------------------------------------------------------------------
 
 _RLOCK_IS_OWNED = lookup("_thread.RLock._is_owned")

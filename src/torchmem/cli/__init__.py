@@ -14,9 +14,10 @@ from torchmem._version import __version__
 from torchmem.cli.build import BuildCommand
 from torchmem.cli.command import Command
 from torchmem.cli.devices import DevicesCommand
+from torchmem.cli.run import RunCommand
 from torchmem.errors import CommandError
 
-COMMANDS: list[Command] = [DevicesCommand(), BuildCommand()]
+COMMANDS: list[Command] = [RunCommand(), DevicesCommand(), BuildCommand()]
 """Every subcommand, in the order ``torchmem --help`` lists them."""
 
 
@@ -30,7 +31,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     words = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(
         prog="torchmem",
-        description="PyTorch memory: devices, peaks, profiles.",
+        description="PyTorch memory: where a script's memory went, devices, builds.",
         epilog="Run 'torchmem COMMAND --help' for a command's options.",
     )
     parser.add_argument("--version", action="version", version=f"torchmem {__version__}")

@@ -10,6 +10,15 @@
 //
 // Storages made before the allocator was installed are adopted: their deleter (the
 // default allocator's) is swapped for one that counts them off when they die.
+//
+// While a recording runs (torchmem.record, torchmem run), every allocation and free is
+// also appended to an event log, with the allocation's site: the innermost frame of the
+// user's code on the allocating thread's Python stack (compiled in where Python's headers
+// are found, TORCHMEM_PYTHON).
+
+#ifdef TORCHMEM_PYTHON
+#include <Python.h>  // first, as Python asks
+#endif
 
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>
@@ -19,14 +28,18 @@
 
 #include <pthread.h>
 
+#include <algorithm>
 #include <atomic>
-#include <cstring>
+#include <chrono>
 #include <cstdint>
+#include <cstring>
 #include <mutex>
 #include <new>
 #include <string>
 #include <typeinfo>
 #include <unordered_map>
+#include <utility>
+#include <vector>
 
 namespace {
 
@@ -51,6 +64,171 @@ std::mutex& adopted_mutex = *new std::mutex();
 std::unordered_map<void*, int64_t>& adopted_sizes = *new std::unordered_map<void*, int64_t>();
 c10::DeleterFnPtr default_deleter = nullptr;
 
+// The recording ------------------------------------------------------------------------
+
+// One allocation (size > 0) or free (size < 0), as five int64 in this order.
+struct Event {
+  int64_t time_ns;  // steady clock: CLOCK_MONOTONIC, as Python's time.monotonic_ns()
+  int64_t ptr;      // the data pointer
+  int64_t size;
+  int64_t site;     // an index into the sites; kNoSite, kNoThread or kNoFrame
+  int64_t other;    // the matching free of an allocation, the allocation of a free; -1
+};
+static_assert(sizeof(Event) == 5 * sizeof(int64_t), "five int64");
+
+constexpr int64_t kNoSite = -1;    // sites are not recorded
+constexpr int64_t kNoThread = -2;  // a thread Python does not know (intra-op workers)
+constexpr int64_t kNoFrame = -3;   // no frame of the user's code on the stack
+
+// 0: not recording; 1: recording; 2: recording with sites.
+std::atomic<int> recording{0};
+std::mutex& log_mutex = *new std::mutex();
+std::vector<Event>& events = *new std::vector<Event>();
+std::unordered_map<void*, int64_t>& live = *new std::unordered_map<void*, int64_t>();
+
+inline int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+#ifdef TORCHMEM_PYTHON
+// Guarded by the GIL, not by log_mutex: a thread never waits for the GIL holding it.
+struct CodeHash {
+  size_t operator()(const std::pair<PyObject*, int>& key) const {
+    return std::hash<void*>()(key.first) * 31 + static_cast<size_t>(key.second);
+  }
+};
+std::vector<std::pair<std::string, bool>>& prefixes =
+    *new std::vector<std::pair<std::string, bool>>();  // (prefix, is user code)
+std::unordered_map<PyObject*, bool>& user_code = *new std::unordered_map<PyObject*, bool>();
+std::unordered_map<std::pair<PyObject*, int>, int64_t, CodeHash>& site_ids =
+    *new std::unordered_map<std::pair<PyObject*, int>, int64_t, CodeHash>();
+std::vector<std::pair<PyObject*, int>>& sites = *new std::vector<std::pair<PyObject*, int>>();
+
+// Whether a code object is the user's: the longest matching prefix decides; none: yes.
+bool is_user(PyObject* code) {
+  auto known = user_code.find(code);
+  if (known != user_code.end()) {
+    return known->second;
+  }
+  PyObject* name = PyObject_GetAttrString(code, "co_filename");
+  const char* text = name ? PyUnicode_AsUTF8(name) : nullptr;
+  bool user = true;
+  if (text == nullptr) {
+    PyErr_Clear();
+    user = false;
+  } else {
+    size_t longest = 0;
+    for (const auto& [prefix, mine] : prefixes) {
+      if (prefix.size() >= longest && std::strncmp(text, prefix.c_str(), prefix.size()) == 0) {
+        longest = prefix.size();
+        user = mine;
+      }
+    }
+  }
+  Py_XDECREF(name);
+  Py_INCREF(code);  // held while cached: the address cannot be reused meanwhile
+  user_code[code] = user;
+  return user;
+}
+
+int64_t intern(PyObject* code, int line) {
+  auto key = std::make_pair(code, line);
+  auto found = site_ids.find(key);
+  if (found != site_ids.end()) {
+    return found->second;
+  }
+  Py_INCREF(code);
+  int64_t id = static_cast<int64_t>(sites.size());
+  sites.push_back(key);
+  site_ids[key] = id;
+  return id;
+}
+
+// The innermost frame of the user's code on this thread's Python stack. A thread that
+// released the GIL (autograd's backward on CPU does) takes it back for the walk; its
+// stack cannot change meanwhile, since the thread is here.
+int64_t python_site() {
+  if (!Py_IsInitialized()) {
+    return kNoThread;
+  }
+  const bool held = PyGILState_Check();
+  PyGILState_STATE state{};
+  if (!held) {
+    if (PyGILState_GetThisThreadState() == nullptr) {
+      return kNoThread;
+    }
+    state = PyGILState_Ensure();
+  }
+  PyObject *type = nullptr, *value = nullptr, *traceback = nullptr;
+  PyErr_Fetch(&type, &value, &traceback);
+  int64_t site = kNoFrame;
+  PyFrameObject* frame = PyEval_GetFrame();
+  Py_XINCREF(frame);
+  while (frame != nullptr) {
+    PyObject* code = reinterpret_cast<PyObject*>(PyFrame_GetCode(frame));
+    const bool user = is_user(code);
+    if (user) {
+      site = intern(code, PyFrame_GetLineNumber(frame));
+    }
+    Py_DECREF(code);
+    if (user) {
+      break;
+    }
+    PyFrameObject* back = PyFrame_GetBack(frame);
+    Py_DECREF(frame);
+    frame = back;
+  }
+  Py_XDECREF(frame);
+  PyErr_Restore(type, value, traceback);
+  if (!held) {
+    PyGILState_Release(state);
+  }
+  return site;
+}
+
+void clear_sites() {
+  for (auto& [code, line] : sites) {
+    Py_DECREF(code);
+  }
+  for (auto& [code, user] : user_code) {
+    Py_DECREF(code);
+  }
+  sites.clear();
+  site_ids.clear();
+  user_code.clear();
+}
+#else
+int64_t python_site() { return kNoSite; }
+#endif
+
+void record_alloc(void* data, int64_t n) {
+  const int64_t site = recording.load(std::memory_order_relaxed) == 2 ? python_site() : kNoSite;
+  std::lock_guard<std::mutex> lock(log_mutex);
+  if (!recording.load(std::memory_order_relaxed)) {
+    return;
+  }
+  live[data] = static_cast<int64_t>(events.size());
+  events.push_back({now_ns(), reinterpret_cast<int64_t>(data), n, site, -1});
+}
+
+void record_free(void* data, int64_t n) {
+  std::lock_guard<std::mutex> lock(log_mutex);
+  if (!recording.load(std::memory_order_relaxed)) {
+    return;
+  }
+  const int64_t index = static_cast<int64_t>(events.size());
+  int64_t other = -1;
+  auto found = live.find(data);
+  if (found != live.end()) {
+    other = found->second;
+    events[other].other = index;
+    live.erase(found);
+  }
+  events.push_back({now_ns(), reinterpret_cast<int64_t>(data), -n, kNoSite, other});
+}
+
 inline void grow(int64_t n) {
   int64_t now = counters.current.fetch_add(n, std::memory_order_relaxed) + n;
   int64_t peak = counters.peak.load(std::memory_order_relaxed);
@@ -70,7 +248,11 @@ void delete_counted(void* data) {
     return;
   }
   char* block = static_cast<char*>(data) - kHeader;
-  shrink(*reinterpret_cast<int64_t*>(block));
+  const int64_t n = *reinterpret_cast<int64_t*>(block);
+  shrink(n);
+  if (recording.load(std::memory_order_relaxed)) {
+    record_free(data, n);
+  }
   c10::profiledCPUMemoryReporter().Delete(data);
   c10::free_cpu(block);
 }
@@ -87,6 +269,9 @@ void delete_adopted(void* data) {
   }
   if (n) {
     shrink(n);
+    if (recording.load(std::memory_order_relaxed)) {
+      record_free(data, n);
+    }
   }
   default_deleter(data);
 }
@@ -119,6 +304,9 @@ struct CountingAllocator final : c10::Allocator {
     counters.allocations.fetch_add(1, std::memory_order_relaxed);
     grow(static_cast<int64_t>(n));
     c10::profiledCPUMemoryReporter().New(data, n);
+    if (recording.load(std::memory_order_relaxed)) {
+      record_alloc(data, static_cast<int64_t>(n));
+    }
     return {data, data, &delete_counted, cpu};
   }
 
@@ -154,10 +342,21 @@ int torchmem_install() {
   if (allocator == nullptr) {
     default_deleter = standard->raw_deleter();
     std::memcpy(&standard_vtable, static_cast<void*>(standard), sizeof(void*));
-    // The adopted sizes' lock must be free in a child made by fork (DataLoader's
+    // The adopted sizes' and the log's locks must be free in a child made by fork (DataLoader's
     // workers): hold it across fork so that no other thread holds it then.
-    pthread_atfork([] { adopted_mutex.lock(); }, [] { adopted_mutex.unlock(); },
-                   [] { adopted_mutex.unlock(); });
+    pthread_atfork(
+        [] {
+          adopted_mutex.lock();
+          log_mutex.lock();
+        },
+        [] {
+          log_mutex.unlock();
+          adopted_mutex.unlock();
+        },
+        [] {
+          log_mutex.unlock();
+          adopted_mutex.unlock();
+        });
     static_assert(sizeof(CountingAllocator) == sizeof(c10::Allocator), "no data members");
     allocator = new (static_cast<void*>(standard)) CountingAllocator();
   }
@@ -224,6 +423,79 @@ int torchmem_self_test(int64_t n) {
     }
   }
   return counters.freed.load() - freed < n ? 3 : 0;
+}
+
+// Starts a recording: clears the log and, with sites != 0, records each allocation's site.
+// `prefixes` holds one source-file prefix per line, "+" (user code) or "-" (not), the
+// longest matching one deciding. Call with the GIL held (ctypes.PyDLL).
+void torchmem_record_start(int with_sites, const char* prefix_lines) {
+  std::lock_guard<std::mutex> lock(log_mutex);
+  events.clear();
+  live.clear();
+#ifdef TORCHMEM_PYTHON
+  clear_sites();
+  prefixes.clear();
+  std::string all(prefix_lines ? prefix_lines : "");
+  size_t start = 0;
+  while (start < all.size()) {
+    size_t end = all.find('\n', start);
+    if (end == std::string::npos) {
+      end = all.size();
+    }
+    if (end > start + 1) {
+      prefixes.emplace_back(all.substr(start + 1, end - start - 1), all[start] == '+');
+    }
+    start = end + 1;
+  }
+#else
+  with_sites = 0;
+#endif
+  recording.store(with_sites ? 2 : 1);
+}
+
+// Stops recording; returns the number of events logged.
+int64_t torchmem_record_stop() {
+  recording.store(0);
+  std::lock_guard<std::mutex> lock(log_mutex);
+  live.clear();
+  return static_cast<int64_t>(events.size());
+}
+
+// Copies up to n events (five int64 each) to out; returns how many it copied.
+int64_t torchmem_record_events(int64_t* out, int64_t n) {
+  std::lock_guard<std::mutex> lock(log_mutex);
+  const int64_t count = std::min(n, static_cast<int64_t>(events.size()));
+  std::memcpy(out, events.data(), static_cast<size_t>(count) * sizeof(Event));
+  return count;
+}
+
+// Whether sites can be recorded (built with Python's headers).
+int torchmem_record_has_sites() {
+#ifdef TORCHMEM_PYTHON
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+#ifdef TORCHMEM_PYTHON
+// Site i as a new (code object, line) tuple, or None. Call with the GIL held.
+PyObject* torchmem_record_site(int64_t i) {
+  if (i < 0 || i >= static_cast<int64_t>(sites.size())) {
+    Py_RETURN_NONE;
+  }
+  return Py_BuildValue("(Oi)", sites[i].first, sites[i].second);
+}
+#endif
+
+// Frees the log and the sites. Call with the GIL held, after torchmem_record_stop.
+void torchmem_record_clear() {
+  std::lock_guard<std::mutex> lock(log_mutex);
+  std::vector<Event>().swap(events);
+  live.clear();
+#ifdef TORCHMEM_PYTHON
+  clear_sites();
+#endif
 }
 
 }  // extern "C"

@@ -19,6 +19,7 @@ import sys
 import sysconfig
 import tempfile
 from pathlib import Path
+from types import CodeType
 
 import torch
 
@@ -50,6 +51,18 @@ class CpuAllocatorLibrary:
         lib.torchmem_adopt.argtypes = [ctypes.c_void_p]
         lib.torchmem_self_test.argtypes = [ctypes.c_int64]
         self._lib = lib
+        # The recording's functions touch Python objects: called with the GIL held.
+        self._py = ctypes.PyDLL(str(path))
+        self._py.torchmem_record_start.argtypes = [ctypes.c_int, ctypes.c_char_p]
+        self._py.torchmem_record_stop.restype = ctypes.c_int64
+        self._py.torchmem_record_events.restype = ctypes.c_int64
+        self._py.torchmem_record_events.argtypes = [ctypes.c_void_p, ctypes.c_int64]
+        self.records_sites = bool(lib.torchmem_record_has_sites())
+        """Whether the recording can name each allocation's site (the library was built
+        with Python's headers)."""
+        if self.records_sites:
+            self._py.torchmem_record_site.restype = ctypes.py_object
+            self._py.torchmem_record_site.argtypes = [ctypes.c_int64]
         self.reset_peak = lib.torchmem_reset_peak
         """Restart the peak counter at the current bytes."""
         self.counters = (ctypes.c_int64 * len(COUNTERS)).from_address(lib.torchmem_counters())
@@ -68,6 +81,37 @@ class CpuAllocatorLibrary:
         ``UntypedStorage._cdata``), until it dies; return the bytes adopted (0 for one
         counted already, or not made by PyTorch's CPU allocator)."""
         return int(self._lib.torchmem_adopt(storage_key))
+
+    def record_start(self, sites: bool, prefixes: dict[str, bool]) -> None:
+        """Start logging every allocation and free (see :meth:`record_stop`), with the
+        allocation's site where `sites` is true: the innermost frame whose file is the
+        user's, decided by the longest of `prefixes` (path prefix -> is the user's code)
+        that the file starts with; a file matching none is the user's."""
+        lines = "".join(f"{'+' if mine else '-'}{prefix}\n" for prefix, mine in prefixes.items())
+        self._py.torchmem_record_start(int(sites), lines.encode())
+
+    def record_stop(self) -> torch.Tensor:
+        """Stop logging; return the log as an int64 tensor of shape (events, 5): time
+        (``time.monotonic_ns()``'s clock), data pointer, bytes (negative for a free), site
+        index (negative: none) and the index of the matching free or allocation (-1: none).
+        """
+        count = int(self._py.torchmem_record_stop())
+        log = torch.empty((count, 5), dtype=torch.int64)
+        if count:
+            copied = int(self._py.torchmem_record_events(log.data_ptr(), count))
+            log = log[:copied]
+        return log
+
+    def record_site(self, index: int) -> tuple[CodeType, int] | None:
+        """Site `index` of the last recording: its code object and line, or None."""
+        if not self.records_sites:
+            return None
+        found = self._py.torchmem_record_site(index)
+        return None if found is None else (found[0], found[1])
+
+    def record_clear(self) -> None:
+        """Free the last recording's log and sites."""
+        self._py.torchmem_record_clear()
 
     def _self_test(self) -> None:
         """Allocate and free in C++, then through a tensor: both must be counted."""
@@ -129,8 +173,12 @@ def build(force: bool = False) -> Path:
     # ranks) each rename a whole library into place.
     fd, partial = tempfile.mkstemp(suffix=".so", dir=path.parent)
     os.close(fd)
+    python = Path(sysconfig.get_paths()["include"])
+    # Without Python's headers the allocator still counts; it records no sites.
+    sites = [f"-I{python}", "-DTORCHMEM_PYTHON"] if (python / "Python.h").exists() else []
     command = [
         *cxx,
+        *sites,
         "-O2",
         "-std=c++17",
         "-shared",

@@ -1,0 +1,156 @@
+"""``torchmem run``: run a script (or ``-m module``) and say where its memory went."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from types import ModuleType, TracebackType
+from typing import Any
+
+from torchmem.cli.command import Command
+from torchmem.errors import CommandError
+
+
+class RunCommand(Command):
+    name = "run"
+    help = "run a script and say where its memory went"
+    description = (
+        "Run a Python script (or -m module) as __main__ with its own arguments, recording"
+        " every allocation, then print where the memory went: per device the peak, when"
+        " it happened and the end; parameters, gradients, optimizer state, activations"
+        " and other bytes at the peak; the lines whose allocations were alive at the peak;"
+        " the largest tensors; each module's forward and backward peak. Exits with the"
+        " script's exit code."
+    )
+
+    def prepare_parser(self, parser: argparse.ArgumentParser) -> None:
+        parser.usage = "%(prog)s [options] (SCRIPT | -m MODULE) [ARGS ...]"
+        parser.add_argument(
+            "--device",
+            help="record only this device: cpu, cuda:N, ram, ... (default: every device used)",
+        )
+        parser.add_argument("--json", metavar="PATH", help="write the report as JSON to PATH")
+        parser.add_argument(
+            "--html", metavar="PATH", help="write the report as a self-contained HTML page"
+        )
+        parser.add_argument(
+            "--top", type=int, default=10, metavar="N", help="list N sites, tensors, modules"
+        )
+        parser.add_argument(
+            "-q", "--quiet", action="store_true", help="print no summary (with --json/--html)"
+        )
+        parser.add_argument(
+            "--no-sites",
+            dest="sites",
+            action="store_false",
+            help="do not record which line made each allocation (costs less)",
+        )
+        parser.add_argument(
+            "-m",
+            dest="module",
+            nargs=argparse.REMAINDER,
+            metavar="MODULE",
+            help="run a module as a script, as python -m does",
+        )
+        parser.add_argument("script", nargs=argparse.REMAINDER, metavar="SCRIPT ARGS")
+
+    def run(self, args: argparse.Namespace) -> int:
+        import dataclasses
+
+        from torchmem.recorder import record
+
+        words = args.script[1:] if args.script[:1] == ["--"] else args.script
+        if args.module is not None:
+            if not args.module:
+                raise CommandError("-m needs a module name", 2)
+            target, argv, is_module = args.module[0], args.module, True
+        elif words:
+            target, argv, is_module = words[0], words, False
+            if not Path(target).is_file():
+                raise CommandError(f"can't open file {target!r}: no such file", 2)
+        else:
+            raise CommandError("nothing to run: give a SCRIPT or -m MODULE", 2)
+        if args.top < 1:
+            raise CommandError(f"--top must be at least 1, not {args.top}", 2)
+        try:
+            recording = record(args.device, sites=args.sites)
+        except ValueError as exc:
+            raise CommandError(str(exc), 2) from None
+        namespace: dict[str, Any] = {}
+        recording.start()
+        try:
+            code = _execute(target, argv, is_module, namespace)
+        finally:
+            recording.stop(namespace)
+        report = dataclasses.replace(
+            recording.report(args.top), exit_code=code, command=tuple(argv)
+        )
+        if args.json:
+            report.save_json(args.json)
+        if args.html:
+            report.save_html(args.html)
+        if not args.quiet:
+            sys.stdout.flush()
+            print(f"\n{report}", file=sys.stderr)
+        return code
+
+
+def _execute(target: str, argv: list[str], is_module: bool, namespace: dict[str, Any]) -> int:
+    """Run `target` as ``__main__`` with ``sys.argv`` = `argv`; return its exit code.
+
+    Its globals end up in `namespace`. An uncaught exception prints its traceback through
+    ``sys.excepthook``, as Python would, without torchmem's frames.
+    """
+    import runpy
+
+    saved_argv, saved_path = sys.argv[:], sys.path[:]
+    sys.argv = list(argv)
+    try:
+        if is_module:
+            sys.path.insert(0, str(Path.cwd()))
+            namespace.update(runpy.run_module(target, run_name="__main__", alter_sys=True))
+        else:
+            sys.path.insert(0, str(Path(target).resolve().parent))
+            _run_script(target, namespace)
+    except SystemExit as exc:
+        if exc.code is None or isinstance(exc.code, int):
+            return exc.code or 0
+        print(exc.code, file=sys.stderr)
+        return 1
+    except BaseException as exc:  # the script's own error: shown as Python shows it
+        tb = _user_frames(exc.__traceback__)
+        sys.excepthook(type(exc), exc.with_traceback(tb), tb)
+        return 130 if isinstance(exc, KeyboardInterrupt) else 1
+    finally:
+        sys.argv, sys.path[:] = saved_argv, saved_path
+    return 0
+
+
+def _run_script(path: str, namespace: dict[str, Any]) -> None:
+    """Execute the file at `path` as the ``__main__`` module, in `namespace`."""
+    source = Path(path).read_bytes()
+    code = compile(source, path, "exec", dont_inherit=True)
+    main = ModuleType("__main__")
+    main.__dict__.update(__file__=path, __builtins__=__builtins__, __cached__=None)
+    saved = sys.modules.get("__main__")
+    sys.modules["__main__"] = main
+    try:
+        exec(code, main.__dict__)
+    finally:
+        namespace.update(main.__dict__)
+        if saved is not None:
+            sys.modules["__main__"] = saved
+
+
+def _user_frames(tb: TracebackType | None) -> TracebackType | None:
+    """`tb` without its leading frames of torchmem and runpy."""
+    import runpy
+
+    ours = {__file__, runpy.__file__}
+    while tb is not None and (
+        tb.tb_frame.f_code.co_filename in ours
+        or tb.tb_frame.f_code.co_filename.startswith("<frozen ")
+    ):
+        tb = tb.tb_next
+    return tb

@@ -1,0 +1,260 @@
+"""What a recording learns from PyTorch's global hooks while the user's code runs.
+
+Models and optimizers are discovered without the user naming them: a global module
+forward hook sees every module called, a global optimizer step hook every optimizer
+stepped, and saved-tensor hooks every tensor autograd keeps for the backward pass. Each
+sighting is a :class:`Mark`: at this time, the storage at this address was a parameter,
+a gradient, optimizer state or an activation. The analysis gives each allocation the
+first category of :data:`~torchmem.records.run.CATEGORIES` it was marked with.
+
+Each module's forward call is an interval; so is its backward, from the moment the
+gradient of one of its outputs is ready to the moment the gradients of all its inputs
+(or, where no input needs one, its parameters) are.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.autograd.graph import register_multi_grad_hook, saved_tensors_hooks
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
+from torch.utils.hooks import RemovableHandle
+
+PARAMETERS, GRADIENTS, OPTIMIZER_STATE, ACTIVATIONS, OTHER = range(5)
+"""Category indices, in the order of :data:`~torchmem.records.run.CATEGORIES`."""
+PENDING = 8
+"""Backward passes awaited per module at most (more forward calls than backward passes,
+e.g. evaluation with gradients on, drop the oldest)."""
+
+
+@dataclass(frozen=True)
+class Mark:
+    """At `time` (``time.monotonic_ns()``), the storage at `ptr` on `device` was in `category`."""
+
+    time: int
+    device: str
+    ptr: int
+    category: int
+    name: tuple[Any, ...] | None
+    """What names it, resolved once the run is over: ``("param", module id, attribute)``,
+    ``("grad", ...)``, ``("state", optimizer class, parameter id, key)``, ``("saved",
+    module id)``."""
+    shape: tuple[int, ...]
+    dtype: str
+
+
+@dataclass(frozen=True)
+class Interval:
+    """A module's forward or backward, in ``time.monotonic_ns()`` nanoseconds."""
+
+    module: int
+    """``id()`` of the module."""
+    backward: bool
+    start: int
+    end: int
+
+
+class Watcher:
+    """Installs the global hooks on :meth:`start` and removes every one on :meth:`stop`.
+
+    Use from the thread that will run the user's code: saved-tensor hooks are per thread.
+    """
+
+    def __init__(self) -> None:
+        self.marks: list[Mark] = []
+        self.intervals: list[Interval] = []
+        self.modules: dict[int, torch.nn.Module] = {}
+        """Every module called, by id, in the order of first call."""
+        self.roots: list[torch.nn.Module] = []
+        """Modules called while no other module's forward ran, in order."""
+        self.optimizers: dict[int, torch.optim.Optimizer] = {}
+        self.calls: dict[int, int] = {}
+        self._local = threading.local()
+        self._handles: list[RemovableHandle] = []
+        self._pending: dict[int, list[tuple[RemovableHandle, RemovableHandle]]] = {}
+        self._finished: list[RemovableHandle] = []
+        self._saved: saved_tensors_hooks | None = None
+        self._roots: set[int] = set()
+
+    # Installing ------------------------------------------------------------------------
+
+    def start(self) -> None:
+        modules = torch.nn.modules.module
+        self._handles = [
+            modules.register_module_forward_pre_hook(self._forward_pre),
+            modules.register_module_forward_hook(self._forward, always_call=True),
+            register_optimizer_step_pre_hook(self._step_pre),
+            register_optimizer_step_post_hook(self._step),
+        ]
+        self._saved = saved_tensors_hooks(self._pack, _unpack)
+        self._saved.__enter__()
+
+    def stop(self) -> None:
+        """Remove every hook, then mark what the discovered modules and optimizers hold."""
+        if self._saved is not None:
+            self._saved.__exit__(None, None, None)
+            self._saved = None
+        for handle in self._handles + self._finished:
+            handle.remove()
+        for pending in self._pending.values():
+            for start, end in pending:
+                start.remove()
+                end.remove()
+        self._handles, self._finished, self._pending = [], [], {}
+        for module in self.modules.values():
+            self._mark_parameters(module)
+        for optimizer in self.optimizers.values():
+            self._mark_optimizer(optimizer)
+
+    # Marks -----------------------------------------------------------------------------
+
+    def mark(self, tensor: torch.Tensor, category: int, name: tuple[Any, ...] | None) -> None:
+        try:
+            ptr = tensor.untyped_storage().data_ptr()
+        except Exception:  # no storage (sparse, wrapper subclasses): nothing to attribute
+            return
+        if ptr:
+            self.marks.append(
+                Mark(
+                    time.monotonic_ns(),
+                    str(tensor.device),
+                    ptr,
+                    category,
+                    name,
+                    tuple(tensor.shape),
+                    str(tensor.dtype),
+                )
+            )
+
+    def _mark_parameters(self, module: torch.nn.Module) -> None:
+        for attribute, param in module._parameters.items():
+            if param is not None:
+                self.mark(param, PARAMETERS, ("param", id(module), attribute))
+                if param.grad is not None:
+                    self.mark(param.grad, GRADIENTS, ("grad", id(module), attribute))
+
+    def _mark_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        kind = type(optimizer).__name__
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                if param.grad is not None:
+                    self.mark(param.grad, GRADIENTS, ("grad-of", id(param)))
+                for key, value in optimizer.state.get(param, {}).items():
+                    if isinstance(value, torch.Tensor):
+                        self.mark(value, OPTIMIZER_STATE, ("state", kind, id(param), key))
+
+    # Hooks ---------------------------------------------------------------------------
+
+    def _stack(self) -> list[tuple[int, int]]:
+        stack: list[tuple[int, int]] | None = getattr(self._local, "stack", None)
+        if stack is None:
+            stack = self._local.stack = []
+        return stack
+
+    def _forward_pre(self, module: torch.nn.Module, args: Any) -> None:
+        key = id(module)
+        if key not in self.modules:
+            self.modules[key] = module
+            self.calls[key] = 0
+        self.calls[key] += 1
+        stack = self._stack()
+        if not stack and key not in self._roots:
+            self._roots.add(key)
+            self.roots.append(module)
+        self._mark_parameters(module)
+        for handle in self._finished:  # removed here, never inside autograd's own call
+            handle.remove()
+        self._finished = []
+        stack.append((key, time.monotonic_ns()))
+
+    def _forward(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        stack = self._stack()
+        if not stack or stack[-1][0] != id(module):
+            return
+        key, started = stack.pop()
+        self.intervals.append(Interval(key, False, started, time.monotonic_ns()))
+        if not torch.is_grad_enabled():
+            return
+        outputs = [t for t in _tensors(output) if t.requires_grad]
+        if not outputs:
+            return
+        ends = [t for t in _tensors(args) if t.requires_grad]
+        if not ends:
+            ends = [p for p in module.parameters() if p.requires_grad]
+        if not ends:
+            return
+        backward = _Backward(self, key)
+        pair = (
+            register_multi_grad_hook(outputs, backward.begin, mode="any"),
+            register_multi_grad_hook(ends, backward.end, mode="all"),
+        )
+        backward.pair = pair
+        pending = self._pending.setdefault(key, [])
+        pending.append(pair)
+        if len(pending) > PENDING:
+            for handle in pending.pop(0):
+                handle.remove()
+
+    def _step_pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self.optimizers.setdefault(id(optimizer), optimizer)
+        self._mark_optimizer(optimizer)
+
+    def _step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self._mark_optimizer(optimizer)
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        stack = getattr(self._local, "stack", None)
+        self.mark(tensor, ACTIVATIONS, ("saved", stack[-1][0]) if stack else None)
+        return tensor
+
+    def _finish(self, key: int, pair: tuple[RemovableHandle, RemovableHandle] | None) -> None:
+        pending = self._pending.get(key, [])
+        if pair is not None and pair in pending:
+            pending.remove(pair)
+            self._finished.extend(pair)
+
+
+def _unpack(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+class _Backward:
+    """One forward call's backward: its start and end times."""
+
+    def __init__(self, watcher: Watcher, key: int) -> None:
+        self.watcher = weakref.ref(watcher)
+        self.key = key
+        self.started: int | None = None
+        self.pair: tuple[RemovableHandle, RemovableHandle] | None = None
+
+    def begin(self, grad: Any) -> None:
+        if self.started is None:
+            self.started = time.monotonic_ns()
+
+    def end(self, grads: Any) -> None:
+        watcher = self.watcher()
+        if watcher is None or self.started is None:
+            return
+        watcher.intervals.append(Interval(self.key, True, self.started, time.monotonic_ns()))
+        watcher._finish(self.key, self.pair)
+
+
+def _tensors(value: Any) -> Iterator[torch.Tensor]:
+    """The tensors in a module's arguments or output: tensors, tuples, lists, dict values."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            yield from _tensors(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors(item)

@@ -1,0 +1,250 @@
+"""``torchmem.record()``: record where a block's (or a script's) memory went."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import torch
+
+from torchmem import _compat
+from torchmem.meters import meter
+from torchmem.recorder.analysis import device_run, laps_run, module_peaks
+from torchmem.recorder.hooks import Watcher
+from torchmem.recorder.sources import CpuLog, CudaLog, Laps, Log
+from torchmem.records.run import DeviceRun, ModulePeak, RunRecord
+from torchmem.resolve import DeviceLike, resolve_device
+
+TOP = 10
+"""How many sites, allocations and modules a report lists by default."""
+
+
+@dataclass(frozen=True)
+class RunReport(RunRecord):
+    """What :meth:`Recording.report` returns (the fields are :class:`RunRecord`'s): prints
+    as text, shows as HTML in Jupyter, saves JSON and a self-contained HTML page."""
+
+    top: int = TOP
+    """How many sites, allocations and modules the text and HTML list."""
+
+    def __str__(self) -> str:
+        from torchmem.render import run
+
+        return run.text(self, self.top)
+
+    def _repr_html_(self) -> str:
+        from torchmem.render import run
+
+        return run.html(self, self.top)
+
+    def to_dataframe(self) -> Any:
+        """One row per device; needs pandas."""
+        from torchmem.render import run
+
+        return run.dataframe(self)
+
+    def save_json(self, path: str | Path) -> None:
+        """Write :meth:`to_json` to `path` (the contract is in the README)."""
+        Path(path).write_text(json.dumps(self.to_json(), indent=1) + "\n")
+
+    def save_html(self, path: str | Path) -> None:
+        """Write a self-contained HTML page to `path` (no scripts, no network)."""
+        from torchmem.render import run
+
+        Path(path).write_text(run.page(self, self.top), encoding="utf-8")
+
+
+class Recording:
+    """Records every allocation and free while it is open; :meth:`report` says where the
+    memory went. Made by :func:`record`; use it as a context manager, or call
+    :meth:`start` and :meth:`stop`."""
+
+    def __init__(self, device: DeviceLike | None = None, *, sites: bool = True) -> None:
+        if device is not None and device != "ram":
+            device = resolve_device(device)  # a clear ValueError for a bad one
+        self.device = None if device is None else str(device)
+        self.sites = sites
+        self._watcher: Watcher | None = None
+        self._cpu: CpuLog | None = None
+        self._cuda: CudaLog | None = None
+        self._laps: list[Laps] = []
+        self._logs: list[Log] = []
+        self._variables: dict[int, str] = {}
+        self._started = self._stopped = 0
+        self._report: RunReport | None = None
+
+    def start(self) -> Recording:
+        """Start recording (once)."""
+        if self._started:
+            raise RuntimeError("this recording has started already: make a new one")
+        wanted = self.device
+        if wanted in (None, "cpu"):
+            cpu = CpuLog(self.sites)
+            if cpu.available:
+                self._cpu = cpu
+            else:
+                self._laps.append(Laps(cpu.meter))
+        if wanted is None and torch.cuda.is_available():
+            self._cuda = CudaLog(list(range(torch.cuda.device_count())), self.sites)
+        elif wanted is not None and wanted.startswith("cuda"):
+            self._cuda = CudaLog([torch.device(wanted).index or 0], self.sites)
+        elif wanted not in (None, "cpu", "ram"):
+            self._laps.append(Laps(meter(wanted)))
+        if wanted in (None, "ram"):
+            self._laps.append(Laps(meter("ram")))
+        self._started = time.monotonic_ns()
+        for laps in self._laps:
+            laps.begin()
+        if self._cpu is not None:
+            self._cpu.start()
+        if self._cuda is not None:
+            self._cuda.start()
+        if self._cpu is not None or self._cuda is not None:
+            self._watcher = Watcher()
+            self._watcher.start()
+        return self
+
+    def stop(self, variables: Mapping[str, object] | None = None) -> None:
+        """Stop recording; every hook is gone afterwards, whatever happens.
+
+        Args:
+            variables: a namespace (a script's globals, a frame's locals) whose tensors
+                name the allocations they hold in the report.
+        """
+        if self._stopped or not self._started:
+            return
+        self._stopped = time.monotonic_ns()
+        try:
+            if self._watcher is not None:
+                self._watcher.stop()
+            self._variables = _variables(variables or {})
+        finally:
+            if self._cpu is not None:
+                self._logs.append(self._cpu.stop())
+            if self._cuda is not None:
+                self._logs[:0] = self._cuda.stop()
+            for laps in self._laps:
+                laps.end()
+
+    def __enter__(self) -> Recording:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        caller = _compat.getframe(1)
+        self.stop({**caller.f_globals, **caller.f_locals})
+
+    def report(self, top: int = TOP) -> RunReport:
+        """Where the memory went: per device the peak, when, the end, the categories at
+        the peak and the end, the lines whose allocations were alive at the peak, the
+        largest allocations then, and each module's forward and backward peak.
+
+        Args:
+            top: how many sites, allocations and modules to list (the text and the JSON).
+        """
+        if not self._stopped:
+            raise RuntimeError("stop the recording (leave its with-block) before its report")
+        if top < 1:
+            raise ValueError(f"top must be at least 1, not {top!r}")
+        watcher = self._watcher or Watcher()
+        names = _Names(watcher)
+        devices: dict[str, DeviceRun] = {}
+        modules: tuple[ModulePeak, ...] = ()
+        notes = []
+        for log in self._logs:
+            if log.device.startswith("cuda") and not len(log.events) and not log.base:
+                continue  # a GPU this run did not use
+            run, replay = device_run(log, watcher.marks, self._stopped, names, self._variables, top)
+            devices[log.device] = run
+            if not modules and watcher.modules:
+                modules = module_peaks(
+                    replay, watcher.intervals, watcher.modules, names.modules, watcher.calls
+                )
+        for laps in self._laps:
+            devices[laps.device] = laps_run(laps)
+            if laps.device == "cpu":
+                notes.append(
+                    "CPU tensors were measured by the fallback meter: no categories, sites"
+                    " or modules (see `torchmem build`)."
+                )
+        if self._cpu is not None and self.sites and not self._cpu.records_sites:
+            notes.append("Allocation sites need Python's headers where torchmem was built.")
+        duration = (self._stopped - self._started) / 1e9
+        return RunReport(devices, modules, duration, notes=tuple(notes), top=top)
+
+
+def record(device: DeviceLike | None = None, *, sites: bool = True) -> Recording:
+    """Record where memory goes while a block runs; then ``rec.report()`` says.
+
+    ``with torchmem.record() as rec: train()`` then ``print(rec.report())``.
+
+    Args:
+        device: the device to record: ``"cpu"`` (CPU tensors), ``"cuda:0"``, ``"ram"``
+            (process memory), ...; None (the default) records every GPU, CPU tensors
+            and process RAM, and reports the ones used.
+        sites: record the line of the user's code that made each allocation (a frame
+            walk per allocation). Off, the recording costs less and the report lists no
+            sites.
+
+    Models, optimizers and the tensors autograd saves are found through PyTorch's
+    global hooks while the block runs; nothing needs naming.
+    """
+    return Recording(device, sites=sites)
+
+
+class _Names:
+    """Names of the modules and parameters seen, from the outermost modules called."""
+
+    def __init__(self, watcher: Watcher) -> None:
+        self.modules: dict[int, str] = {}
+        self.params: dict[int, str] = {}
+        several = len(watcher.roots) > 1
+        for root in watcher.roots:
+            prefix = type(root).__name__ if several else ""
+            for name, module in root.named_modules(remove_duplicate=False):
+                self.modules.setdefault(id(module), _join(prefix, name))
+            for name, param in root.named_parameters(remove_duplicate=False):
+                self.params.setdefault(id(param), _join(prefix, name))
+        for key, module in watcher.modules.items():
+            self.modules.setdefault(key, type(module).__name__)
+
+    def __call__(self, name: tuple[Any, ...] | None) -> str | None:
+        if name is None:
+            return None
+        kind = name[0]
+        if kind in ("param", "grad"):
+            found = _join(self.modules.get(name[1], ""), name[2])
+            return found + ".grad" if kind == "grad" else found
+        if kind == "grad-of":
+            return self.params.get(name[1], "Parameter") + ".grad"
+        if kind == "state":
+            return f"{name[1]}.{self.params.get(name[2], 'Parameter')}.{name[3]}"
+        if kind == "saved":
+            return f"saved by {self.modules.get(name[1]) or 'the model'}"
+        return None
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix and name else prefix or name
+
+
+def _variables(namespace: Mapping[str, object]) -> dict[int, str]:
+    found: dict[int, str] = {}
+    for name, value in namespace.items():
+        if isinstance(value, torch.Tensor) and not name.startswith("_"):
+            try:
+                ptr = value.untyped_storage().data_ptr()
+            except Exception:  # no storage
+                continue
+            if ptr:
+                found.setdefault(ptr, name)
+    return found

@@ -1,0 +1,190 @@
+"""A recording's records: where a run's memory went, per device, in bytes and seconds.
+
+Made by :mod:`torchmem.recorder` (``torchmem run``, ``torchmem.record()``); read by the
+renderers in :mod:`torchmem.render.run`. :meth:`RunRecord.to_json` is the documented JSON
+contract.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "other")
+"""What a byte can be, in the order reports list them. A storage that is several things
+(a weight autograd saved for backward) counts as the first of them."""
+
+
+@dataclass(frozen=True)
+class Site:
+    """A source line whose allocations were alive at the peak."""
+
+    file: str
+    """The source file; ``<before recording>`` for memory allocated before the recording
+    started, ``<no Python frame>`` for allocations made by threads Python does not run
+    (PyTorch's intra-op workers)."""
+    line: int
+    """The line number (0 for the two pseudo files above)."""
+    function: str
+    """The function's qualified name, ``<module>`` for a script's top level."""
+    bytes: int
+    """Bytes allocated there and alive at the peak."""
+
+
+@dataclass(frozen=True)
+class Held:
+    """One allocation (a tensor's storage) alive at the peak."""
+
+    name: str
+    """As :class:`~torchmem.MemReporter` names it (``fc1.weight``, ``fc1.weight.grad``,
+    ``Adam.fc1.weight.exp_avg``), the variable that held it at the end of the run, a
+    tensor autograd saved in a module (``saved by fc1``), else ``Tensor@<file>:<line>``."""
+    bytes: int
+    """Bytes of the allocation."""
+    category: str
+    """One of :data:`CATEGORIES`."""
+    shape: tuple[int, ...] | None = None
+    """The shape of the tensor it was seen as, where it was seen."""
+    dtype: str | None = None
+    """``str(dtype)`` of that tensor, e.g. ``"torch.float32"``."""
+    site: str | None = None
+    """``file:line`` where it was allocated; None where that is not known."""
+
+
+@dataclass(frozen=True)
+class ModulePeak:
+    """The highest memory in use on :attr:`device` while a module ran, over all its calls."""
+
+    name: str
+    """Its name in ``named_modules()`` of the outermost module called (``""`` for that
+    one itself; ``"Net"``-prefixed names where several outermost modules ran)."""
+    type: str
+    """Its class name, e.g. ``"Linear"``."""
+    device: str
+    """The device measured: the run's main device (the first GPU used, else ``"cpu"``)."""
+    forward_peak_bytes: int
+    """Highest bytes in use during any of its forward calls (absolute, not a rise)."""
+    backward_peak_bytes: int | None
+    """Highest bytes in use while autograd computed its gradients; None when no backward
+    pass went through it."""
+    calls: int
+    """How many times its forward ran."""
+
+
+@dataclass(frozen=True)
+class DeviceRun:
+    """What one device's memory did over the recording."""
+
+    device: str
+    """``"cpu"`` (CPU tensors), ``"cuda:0"``, ... (the caching allocator's allocated bytes),
+    or ``"ram"`` (the process's resident memory)."""
+    start_bytes: int
+    """Bytes in use when the recording started."""
+    peak_bytes: int
+    """The highest bytes in use during the recording."""
+    peak_time: float
+    """Seconds from the start of the recording to the peak (to the end of the interval
+    that held it where the device has no event log)."""
+    end_bytes: int
+    """Bytes in use when the recording stopped."""
+    timeline: tuple[tuple[float, int], ...]
+    """``(end of interval in seconds, highest bytes in use during the interval)``: exact
+    peaks over consecutive intervals, not samples."""
+    categories_at_peak: dict[str, int] | None = None
+    """Bytes of each of :data:`CATEGORIES` at the peak; None where the device has no
+    event log (process RAM, the CPU fallback meter)."""
+    categories_at_end: dict[str, int] | None = None
+    """The same at the end of the recording."""
+    sites_at_peak: tuple[Site, ...] = ()
+    """Source lines whose allocations were alive at the peak, largest first."""
+    largest_at_peak: tuple[Held, ...] = ()
+    """The largest allocations alive at the peak, largest first."""
+    reserved_peak_bytes: int | None = None
+    """CUDA only: the caching allocator's highest reserved bytes."""
+    exact: bool = True
+    """False where the peak comes from sampling (process RAM off Linux)."""
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    """Where a run's memory went: the report of :func:`torchmem.record` and ``torchmem run``."""
+
+    devices: dict[str, DeviceRun]
+    """Per device, keyed by its device string, in the order: GPUs, ``"cpu"``, ``"ram"``."""
+    modules: tuple[ModulePeak, ...]
+    """Each module that ran, in the order of first call."""
+    duration: float
+    """Seconds recorded."""
+    exit_code: int | None = None
+    """The script's exit code (``torchmem run``); None for a recorded block."""
+    command: tuple[str, ...] = ()
+    """The script and its arguments (``torchmem run``)."""
+    notes: tuple[str, ...] = field(default=())
+    """What the report could not see, in one sentence each."""
+
+    @property
+    def main_device(self) -> str:
+        """The device the top-level answers are about: the first GPU, else ``"cpu"``,
+        else the only one recorded."""
+        for name in self.devices:
+            if name != "ram":
+                return name
+        return next(iter(self.devices), "ram")
+
+    def to_json(self) -> dict[str, Any]:
+        """The documented JSON form (``torchmem run --json``); bytes are ints, times floats."""
+        main = self.devices.get(self.main_device)
+        return {
+            "exit_code": self.exit_code,
+            "command": list(self.command),
+            "duration_s": self.duration,
+            "main_device": self.main_device,
+            "devices": {name: _device_json(run) for name, run in self.devices.items()},
+            "sites_at_peak": [_site_json(s) for s in main.sites_at_peak] if main else [],
+            "largest_at_peak": [_held_json(h) for h in main.largest_at_peak] if main else [],
+            "modules": [
+                {
+                    "name": m.name,
+                    "type": m.type,
+                    "device": m.device,
+                    "forward_peak_bytes": m.forward_peak_bytes,
+                    "backward_peak_bytes": m.backward_peak_bytes,
+                    "calls": m.calls,
+                }
+                for m in self.modules
+            ],
+            "timeline": {
+                name: [[t, b] for t, b in run.timeline] for name, run in self.devices.items()
+            },
+            "notes": list(self.notes),
+        }
+
+
+def _site_json(site: Site) -> dict[str, Any]:
+    return {"file": site.file, "line": site.line, "function": site.function, "bytes": site.bytes}
+
+
+def _held_json(held: Held) -> dict[str, Any]:
+    return {
+        "name": held.name,
+        "bytes": held.bytes,
+        "category": held.category,
+        "shape": list(held.shape) if held.shape is not None else None,
+        "dtype": held.dtype,
+        "site": held.site,
+    }
+
+
+def _device_json(run: DeviceRun) -> dict[str, Any]:
+    return {
+        "start_bytes": run.start_bytes,
+        "peak_bytes": run.peak_bytes,
+        "peak_time_s": run.peak_time,
+        "end_bytes": run.end_bytes,
+        "reserved_peak_bytes": run.reserved_peak_bytes,
+        "exact": run.exact,
+        "categories_at_peak": run.categories_at_peak,
+        "categories_at_end": run.categories_at_end,
+        "sites_at_peak": [_site_json(s) for s in run.sites_at_peak],
+        "largest_at_peak": [_held_json(h) for h in run.largest_at_peak],
+    }

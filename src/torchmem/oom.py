@@ -8,6 +8,7 @@ through a block or a function, and re-raises the error unchanged.
 from __future__ import annotations
 
 import contextlib
+import gc
 import re
 import sys
 from collections.abc import Callable, Iterable
@@ -19,7 +20,7 @@ import torch
 from torchmem.records.oom import Hint, OOMRecord
 from torchmem.records.tensors import TensorRecord
 from torchmem.resolve import DeviceLike, parse_device, resolve_device
-from torchmem.tensors import MemReporter
+from torchmem.tensors import MemReporter, discover
 from torchmem.units import parse_size
 
 _OOM_MESSAGES = ("out of memory", "can't allocate memory")  # CUDA and MPS; the CPU allocator
@@ -72,9 +73,12 @@ def explain_oom(
         exc: the error, as caught.
         device: the device that ran out; by default read from the message (``"GPU 1"``
             means ``"cuda:1"``, the CPU allocator's message means ``"cpu"``).
-        model: names the largest tensors after its parameters, as :class:`MemReporter`.
-        objects: where to look for live tensors, as for :class:`MemReporter`; default
-            everything the garbage collector tracks.
+        model: names the largest tensors after its parameters, as :class:`MemReporter`;
+            by default the one outermost module found among `objects`, if there is one.
+        objects: where to look for live tensors, models and optimizers, as for
+            :class:`MemReporter`; default everything the garbage collector tracks.
+
+    Optimizers found among `objects` name their state (``Adam.fc1.weight.exp_avg``).
     """
     message = str(exc)
     where = parse_device(device if device is not None else _device_of(message))
@@ -93,7 +97,13 @@ def explain_oom(
         ram = psutil.virtual_memory()
         total, free = ram.total, ram.available
     name = str(where)
-    records = MemReporter(model, objects=objects).snapshot(name)
+    roots, optimizers = discover(objects() if objects is not None else gc.get_objects())
+    if model is None and len(roots) == 1:
+        model = roots[0]
+    reporter = MemReporter(model, objects=objects)
+    for optimizer in optimizers:
+        reporter.add_optimizer(optimizer)
+    records = reporter.snapshot(name)
     counted = [r for r in records if r.nbytes]  # a view's bytes are its base's
     largest = tuple(sorted(counted, key=lambda r: r.nbytes, reverse=True)[:LARGEST])
     history = sum(r.nbytes for r in records if _has_history(r))

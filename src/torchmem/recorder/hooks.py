@@ -14,6 +14,7 @@ gradient of one of its outputs is ready to the moment the gradients of all its i
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 import weakref
@@ -28,6 +29,8 @@ from torch.optim.optimizer import (
     register_optimizer_step_pre_hook,
 )
 from torch.utils.hooks import RemovableHandle
+
+from torchmem.tensors import discover
 
 PARAMETERS, GRADIENTS, OPTIMIZER_STATE, ACTIVATIONS, OTHER = range(5)
 """Category indices, in the order of :data:`~torchmem.records.run.CATEGORIES`."""
@@ -84,6 +87,7 @@ class Watcher:
         self._finished: list[RemovableHandle] = []
         self._saved: saved_tensors_hooks | None = None
         self._roots: set[int] = set()
+        self._known: dict[int, torch.nn.Module] = {}  # modules seen, or alive at the end
 
     # Installing ------------------------------------------------------------------------
 
@@ -99,7 +103,8 @@ class Watcher:
         self._saved.__enter__()
 
     def stop(self) -> None:
-        """Remove every hook, then mark what the discovered modules and optimizers hold."""
+        """Remove every hook, then mark what the modules and optimizers hold: those seen,
+        and those alive now that never ran while the hooks watched."""
         if self._saved is not None:
             self._saved.__exit__(None, None, None)
             self._saved = None
@@ -110,7 +115,16 @@ class Watcher:
                 start.remove()
                 end.remove()
         self._handles, self._finished, self._pending = [], [], {}
-        for module in self.modules.values():
+        roots, optimizers = discover(gc.get_objects())
+        for root in roots:
+            if id(root) not in self.modules:
+                self.roots.append(root)
+                self._roots.add(id(root))
+            for module in root.modules():
+                self._known.setdefault(id(module), module)
+        for optimizer in optimizers:
+            self.optimizers.setdefault(id(optimizer), optimizer)
+        for module in self._known.values():
             self._mark_parameters(module)
         for optimizer in self.optimizers.values():
             self._mark_optimizer(optimizer)
@@ -163,7 +177,7 @@ class Watcher:
     def _forward_pre(self, module: torch.nn.Module, args: Any) -> None:
         key = id(module)
         if key not in self.modules:
-            self.modules[key] = module
+            self.modules[key] = self._known[key] = module
             self.calls[key] = 0
         self.calls[key] += 1
         stack = self._stack()

@@ -1,0 +1,263 @@
+"""``torchmem.record()``: exact bytes per category, site, module and timeline on CPU tensors.
+
+CPU tensors are counted by the counting allocator (the fallback meter has no event log;
+the last test checks what it reports instead). Garbage of earlier tests is collected
+before each recording, so nothing dies inside it by chance.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+import torchmem
+from standins import KiB, MiB
+from torchmem.meters import meter
+from torchmem.records.run import CATEGORIES
+
+pytestmark = pytest.mark.skipif(
+    getattr(meter("cpu"), "backend", "") != "allocator",
+    reason="needs the counting CPU allocator (a C++ compiler)",
+)
+
+
+def two_linears() -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(1024, 1024, bias=False), nn.Linear(1024, 1024, bias=False))
+    return model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+
+
+def record(**kwargs):
+    gc.collect()
+    return torchmem.record("cpu", **kwargs)
+
+
+def test_categories_at_the_end_are_exact() -> None:
+    with record() as rec:
+        model, optimizer = two_linears()
+        model(torch.randn(64, 1024)).square().mean().backward()
+        optimizer.step()
+    cpu = rec.report().devices["cpu"]
+    end = cpu.categories_at_end
+    assert end is not None
+    assert (end["parameters"], end["gradients"], end["optimizer_state"]) == (8 * MiB,) * 3
+    assert sum(end.values()) == cpu.end_bytes
+    assert list(end) == list(CATEGORIES)
+
+
+def test_a_model_built_before_the_recording_is_named_and_categorised() -> None:
+    model, optimizer = two_linears()
+    model(torch.randn(64, 1024)).square().mean().backward()
+    optimizer.step()
+    with record() as rec:
+        big = torch.zeros(MiB)  # 4 MiB, the peak
+        del big
+    cpu = rec.report().devices["cpu"]
+    peak = cpu.categories_at_peak
+    assert peak is not None
+    assert (peak["parameters"], peak["gradients"], peak["optimizer_state"]) == (8 * MiB,) * 3
+    assert cpu.peak_bytes - cpu.start_bytes == 4 * MiB
+    names = {h.name for h in cpu.largest_at_peak}
+    assert {"0.weight", "1.weight.grad", "SGD.1.weight.momentum_buffer"} <= names
+
+
+def allocate_256_mib() -> torch.Tensor:
+    return torch.zeros(64, 1024, 1024)  # the line the report must name
+
+
+def test_the_line_that_allocated_the_peak_is_the_top_site() -> None:
+    with record() as rec:
+        kept = allocate_256_mib()
+        del kept
+    cpu = rec.report().devices["cpu"]
+    top = cpu.sites_at_peak[0]
+    line = allocate_256_mib.__code__.co_firstlineno + 1
+    assert (top.file, top.line, top.function, top.bytes) == (
+        __file__,
+        line,
+        "allocate_256_mib",
+        256 * MiB,
+    )
+    assert cpu.largest_at_peak[0].bytes == 256 * MiB
+    assert cpu.largest_at_peak[0].site == f"{__file__}:{line}"
+
+
+def test_a_tensor_alive_at_the_end_is_named_after_its_variable() -> None:
+    with record() as rec:
+        survivor = torch.zeros(MiB)
+    held = rec.report().devices["cpu"].largest_at_peak[0]
+    assert (held.name, held.bytes, held.category) == ("survivor", 4 * MiB, "other")
+    del survivor
+
+
+def test_backward_allocations_belong_to_the_backward_line() -> None:
+    weight = torch.randn(1024, 1024, requires_grad=True)
+    x = torch.randn(256, 1024)
+    with record() as rec:
+        loss = (x @ weight).sum()
+        loss.backward()  # runs without the GIL
+        peak_line = sys._getframe().f_lineno - 1
+    sites = {(s.line, s.bytes) for s in rec.report().devices["cpu"].sites_at_peak}
+    # weight's gradient (4 MiB), the product's (1 MiB), the loss's (4 B), at once
+    assert (peak_line, 5 * MiB + 4) in sites
+
+
+def test_activations_are_the_tensors_autograd_saved() -> None:
+    torch.manual_seed(0)
+    linear = nn.Linear(1024, 1024, bias=False)
+    with record() as rec:
+        x = torch.randn(1024, 1024)  # saved by the linear for its weight's gradient
+        out = linear(x)  # 4 MiB, not saved
+        big = torch.zeros(2 * MiB)  # 8 MiB: the peak
+        del big
+    peak = rec.report().devices["cpu"].categories_at_peak
+    assert peak == {
+        "parameters": 4 * MiB,
+        "gradients": 0,
+        "optimizer_state": 0,
+        "activations": 4 * MiB,
+        "other": 12 * MiB,
+    }
+    del out
+
+
+def test_module_forward_peaks_are_exact() -> None:
+    model, _ = two_linears()
+    x = torch.randn(64, 1024)  # 256 KiB
+    with record() as rec:
+        model(x).sum().backward()
+    report = rec.report()
+    modules = {m.name: m for m in report.modules}
+    before = 8 * MiB + 256 * KiB  # parameters and x
+    assert [(m.name, m.type) for m in report.modules] == [
+        ("", "Sequential"),
+        ("0", "Linear"),
+        ("1", "Linear"),
+    ]
+    assert modules["0"].forward_peak_bytes == before + 256 * KiB
+    assert modules["1"].forward_peak_bytes == before + 512 * KiB
+    assert modules[""].forward_peak_bytes == before + 512 * KiB
+    for module in report.modules:
+        assert module.calls == 1
+        assert module.backward_peak_bytes is not None
+        assert module.backward_peak_bytes >= before + 4 * MiB  # a weight's gradient
+
+
+def test_the_timeline_holds_the_peak() -> None:
+    with record() as rec:
+        allocate_256_mib()
+    cpu = rec.report().devices["cpu"]
+    assert max(bytes_ for _, bytes_ in cpu.timeline) == cpu.peak_bytes
+    times = [t for t, _ in cpu.timeline]
+    assert times == sorted(times)
+    assert 0 <= cpu.peak_time <= times[-1]
+
+
+def test_allocations_in_another_thread_have_their_own_line() -> None:
+    def work() -> None:
+        kept.append(torch.zeros(MiB))
+
+    kept: list[torch.Tensor] = []
+    with record() as rec:
+        thread = threading.Thread(target=work)
+        thread.start()
+        thread.join()
+    sites = rec.report().devices["cpu"].sites_at_peak
+    line = work.__code__.co_firstlineno + 1
+    assert (sites[0].line, sites[0].function, sites[0].bytes) == (line, work.__qualname__, 4 * MiB)
+
+
+def test_without_sites_there_are_none() -> None:
+    with record(sites=False) as rec:
+        allocate_256_mib()
+    cpu = rec.report().devices["cpu"]
+    assert cpu.sites_at_peak == ()
+    assert cpu.peak_bytes - cpu.start_bytes == 256 * MiB
+
+
+def global_hooks() -> tuple[int, ...]:
+    from torch.nn.modules import module
+    from torch.optim import optimizer
+
+    return (
+        len(module._global_forward_pre_hooks),
+        len(module._global_forward_hooks),
+        len(optimizer._global_optimizer_pre_hooks),
+        len(optimizer._global_optimizer_post_hooks),
+    )
+
+
+def test_an_exception_passes_through_and_every_hook_is_removed() -> None:
+    before = global_hooks()
+    model, optimizer = two_linears()
+    error = ValueError("the user's own")
+    with pytest.raises(ValueError) as caught, record() as rec:
+        model(torch.randn(8, 1024)).sum().backward()
+        raise error
+    assert caught.value is error
+    assert global_hooks() == before
+    marks = len(rec._watcher.marks)
+    model(torch.randn(8, 1024)).sum().backward()  # after the recording: nothing seen
+    optimizer.step()
+    assert len(rec._watcher.marks) == marks
+    assert rec.report().devices["cpu"].categories_at_end is not None
+
+
+def test_bad_arguments_are_named() -> None:
+    with pytest.raises(ValueError, match="'gpu7'"):
+        torchmem.record("gpu7")
+    rec = torchmem.record("cpu")
+    with pytest.raises(RuntimeError, match="stop the recording"):
+        rec.report()
+    with rec:
+        pass
+    with pytest.raises(ValueError, match="top must be at least 1, not 0"):
+        rec.report(top=0)
+    with pytest.raises(RuntimeError, match="has started already"):
+        rec.start()
+
+
+def test_the_report_prints_saves_json_and_html(tmp_path) -> None:
+    with record() as rec:
+        model, optimizer = two_linears()
+        model(torch.randn(64, 1024)).sum().backward()
+        optimizer.step()
+    report = rec.report(top=3)
+    assert "parameters" in str(report)
+    assert "<svg" in report._repr_html_()
+    report.save_json(tmp_path / "r.json")
+    report.save_html(tmp_path / "r.html")
+    data = json.loads((tmp_path / "r.json").read_text())
+    assert data["devices"]["cpu"]["categories_at_end"]["optimizer_state"] == 8 * MiB
+    assert len(data["sites_at_peak"]) <= 3
+    assert "http" not in (tmp_path / "r.html").read_text()
+
+
+def test_the_fallback_meter_reports_peaks_without_an_event_log() -> None:
+    code = (
+        "import torch, torchmem\n"
+        "with torchmem.record('cpu') as rec:\n"
+        "    x = torch.zeros(1024, 1024)\n"
+        "    del x\n"
+        "cpu = rec.report().devices['cpu']\n"
+        "print(cpu.peak_bytes - cpu.start_bytes, cpu.categories_at_peak, cpu.sites_at_peak)\n"
+        "print(rec.report().notes[0])\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "TORCHMEM_CPU_METER": "dispatch"},
+        check=True,
+    )
+    sizes, note = done.stdout.splitlines()
+    assert sizes == f"{4 * MiB} None ()"
+    assert note.startswith("CPU tensors were measured by the fallback meter")

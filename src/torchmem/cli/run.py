@@ -60,6 +60,8 @@ class RunCommand(Command):
 
         from torchmem.recorder import record
 
+        if args.top < 1:
+            raise CommandError(f"--top must be at least 1, not {args.top}", 2)
         words = args.script[1:] if args.script[:1] == ["--"] else args.script
         if args.module is not None:
             if not args.module:
@@ -71,8 +73,6 @@ class RunCommand(Command):
                 raise CommandError(f"can't open file {target!r}: no such file", 2)
         else:
             raise CommandError("nothing to run: give a SCRIPT or -m MODULE", 2)
-        if args.top < 1:
-            raise CommandError(f"--top must be at least 1, not {args.top}", 2)
         try:
             recording = record(args.device, sites=args.sites)
         except ValueError as exc:

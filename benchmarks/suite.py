@@ -20,7 +20,8 @@ from types import ModuleType
 import psutil
 import torch
 
-from benchmarks import cells, lines, meters, peaks, reporter
+from benchmarks import cells, lines, meters, peaks, reporter, run as run_command
+from benchmarks.timing import table
 
 RESULTS = Path(__file__).with_name("RESULTS.md")
 PEERS = ("ipyexperiments", "memory_profiler", "line_profiler", "pytorch-memlab")
@@ -39,10 +40,12 @@ class Config:
     """Seconds the cell sleeps in the cell-logger case."""
     tensors: int = 100_000
     """Live tensors in the reporter case."""
+    steps: int = 50
+    """Training steps of the example script in the ``torchmem run`` case."""
 
 
 FULL = Config()
-TINY = Config(repeat=1, line_repeat=1, scale=0.01, spike=2**26, sleep=0.01, tensors=200)
+TINY = Config(repeat=1, line_repeat=1, scale=0.01, spike=2**26, sleep=0.01, tensors=200, steps=1)
 
 
 def sections(config: Config) -> Iterator[str]:
@@ -99,6 +102,10 @@ def sections(config: Config) -> Iterator[str]:
         + reporter.table_time(reporter.measure_time(config.tensors, config.repeat))
     )
     yield "Sizes reported for a known model:\n\n" + reporter.table_sizes(reporter.measure_sizes())
+
+    yield "## 6. torchmem run\n\n" + doc(run_command)
+    rows = run_command.measure(config.repeat, config.steps)
+    yield table(rows) + "\n\n" + run_command.verdicts(rows)
 
 
 def doc(module: ModuleType) -> str:

@@ -146,3 +146,16 @@ def test_cuda_variants_run_on_a_real_gpu():
     assert [name for _, name, _, _ in rows][:3] == list(meters.contenders("cuda"))
     rows = lines.measure(repeat=1, scale=0.02, device="cuda")
     assert all(ratio is not None for _, name, _, ratio in rows if name.startswith("torchmem"))
+
+
+def test_run_benchmark_runs_and_tabulates():
+    from benchmarks import run
+
+    rows = run.measure(repeat=1, steps=1)
+    assert [name for _, name, _, _ in rows] == ["python", "torchmem run --no-sites", "torchmem run"]
+    assert rows[0][3] == 1.0
+    verdicts = run.verdicts(rows).splitlines()
+    assert [line.split(":")[0] for line in verdicts] == [
+        "- torchmem run --no-sites",
+        "- torchmem run",
+    ]

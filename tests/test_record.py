@@ -118,13 +118,14 @@ def test_activations_are_the_tensors_autograd_saved() -> None:
         out = linear(x)  # 4 MiB, not saved
         big = torch.zeros(2 * MiB)  # 8 MiB: the peak
         del big
-    peak = rec.report().devices["cpu"].categories_at_peak
-    assert peak == {
+    cpu = rec.report().devices["cpu"]
+    earlier = cpu.start_bytes - 4 * MiB  # alive before, besides the weight: earlier tests'
+    assert cpu.categories_at_peak == {
         "parameters": 4 * MiB,
         "gradients": 0,
         "optimizer_state": 0,
         "activations": 4 * MiB,
-        "other": 12 * MiB,
+        "other": earlier + 12 * MiB,
     }
     del out
 
@@ -172,7 +173,7 @@ def test_allocations_in_another_thread_have_their_own_line() -> None:
         thread.join()
     sites = rec.report().devices["cpu"].sites_at_peak
     line = work.__code__.co_firstlineno + 1
-    assert (sites[0].line, sites[0].function, sites[0].bytes) == (line, work.__qualname__, 4 * MiB)
+    assert (line, work.__qualname__, 4 * MiB) in {(s.line, s.function, s.bytes) for s in sites}
 
 
 def test_without_sites_there_are_none() -> None:

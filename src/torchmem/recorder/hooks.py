@@ -18,7 +18,7 @@ import gc
 import threading
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -102,9 +102,11 @@ class Watcher:
         self._saved = saved_tensors_hooks(self._pack, _unpack)
         self._saved.__enter__()
 
-    def stop(self) -> None:
+    def stop(self, held: Iterable[object] = ()) -> None:
         """Remove every hook, then mark what the modules and optimizers hold: those seen,
-        and those alive now that never ran while the hooks watched."""
+        and those alive now that never ran while the hooks watched. Of the latter, the
+        outermost modules among `held` (the recorded code's variables) name their
+        parameters, as those that ran do."""
         if self._saved is not None:
             self._saved.__exit__(None, None, None)
             self._saved = None
@@ -116,8 +118,9 @@ class Watcher:
                 end.remove()
         self._handles, self._finished, self._pending = [], [], {}
         roots, optimizers = discover(gc.get_objects())
+        held_ids = {id(value) for value in held}
         for root in roots:
-            if id(root) not in self.modules:
+            if id(root) in held_ids and id(root) not in self._roots:
                 self.roots.append(root)
                 self._roots.add(id(root))
             for module in root.modules():

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from torchmem import _compat
+from torchmem._compat import getframe
 from torchmem.meters import meter
 from torchmem.recorder.analysis import device_run, laps_run, module_peaks
 from torchmem.recorder.hooks import Watcher
@@ -120,9 +120,10 @@ class Recording:
             return
         self._stopped = time.monotonic_ns()
         try:
+            namespace = variables or {}
             if self._watcher is not None:
-                self._watcher.stop()
-            self._variables = _variables(variables or {})
+                self._watcher.stop(namespace.values())
+            self._variables = _variables(namespace)
         finally:
             if self._cpu is not None:
                 self._logs.append(self._cpu.stop())
@@ -140,7 +141,7 @@ class Recording:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        caller = _compat.getframe(1)
+        caller = getframe(1)
         self.stop({**caller.f_globals, **caller.f_locals})
 
     def report(self, top: int = TOP) -> RunReport:

@@ -20,7 +20,7 @@ from types import CodeType
 
 import torch
 
-from torchmem import _compat
+from torchmem._compat import cuda_history_start, cuda_history_stop
 from torchmem.meters import Meter, Window, meter
 from torchmem.meters.cpu import CpuAllocatorMeter, live_storages
 
@@ -136,10 +136,10 @@ class CudaLog:
         self._windows = [m.window() for m in self.meters]  # for the reserved peak
         self._bases = [m.used() for m in self.meters]
         self._start, self._wall = time.monotonic_ns(), time.time_ns()
-        _compat.cuda_history_start(self.sites, CUDA_ENTRIES)
+        cuda_history_start(self.sites, CUDA_ENTRIES)
 
     def stop(self) -> list[Log]:
-        snapshot = _compat.cuda_history_stop(None)
+        snapshot = cuda_history_stop(None)
         traces = snapshot.get("device_traces", [])
         prefixes = user_prefixes()
         logs = []

@@ -262,3 +262,28 @@ def test_the_fallback_meter_reports_peaks_without_an_event_log() -> None:
     sizes, note = done.stdout.splitlines()
     assert sizes == f"{4 * MiB} None ()"
     assert note.startswith("CPU tensors were measured by the fallback meter")
+
+
+def test_cuda_allocator_history_becomes_an_event_log() -> None:
+    """The CUDA path's conversion, on a trace shaped as ``_snapshot()["device_traces"][i]``."""
+    from torchmem.recorder.sources import cuda_events, user_prefixes
+
+    inside_torch = {"filename": torch.nn.modules.module.__file__, "line": 1, "name": "_call_impl"}
+    mine = {"filename": "/home/me/train.py", "line": 7, "name": "step"}
+    trace = [
+        {"action": "alloc", "addr": 5000, "size": 512, "time_us": 500_000},  # before the start
+        {"action": "segment_alloc", "addr": 0, "size": 2 * MiB, "time_us": 1_500_000},
+        {"action": "alloc", "addr": 1000, "size": 1024, "time_us": 2_000_000,
+         "frames": [inside_torch, mine]},
+        {"action": "free_requested", "addr": 1000, "size": 1024, "time_us": 2_500_000},
+        {"action": "free_completed", "addr": 1000, "size": 1024, "time_us": 3_000_000},
+        {"action": "free_completed", "addr": 9000, "size": 2048, "time_us": 3_500_000},
+    ]  # fmt: skip
+    start, wall = 7_000_000_000, 1_000_000_000  # monotonic and wall-clock ns at the start
+    events, sites = cuda_events(trace, start, wall, user_prefixes())
+    assert events.tolist() == [
+        [start + 1_000_000_000, 1000, 1024, 0, 1],
+        [start + 2_000_000_000, 1000, -1024, -1, 0],
+        [start + 2_500_000_000, 9000, -2048, -1, -1],  # allocated before the recording
+    ]
+    assert sites == {0: ("/home/me/train.py", 7, "step")}

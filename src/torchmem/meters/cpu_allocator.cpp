@@ -354,6 +354,10 @@ int torchmem_install() {
           adopted_mutex.unlock();
         },
         [] {
+          // A child (a DataLoader worker) does not record: its log would only grow.
+          recording.store(0);
+          std::vector<Event>().swap(events);
+          live.clear();
           log_mutex.unlock();
           adopted_mutex.unlock();
         });

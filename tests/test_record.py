@@ -287,3 +287,20 @@ def test_cuda_allocator_history_becomes_an_event_log() -> None:
         [start + 2_500_000_000, 9000, -2048, -1, -1],  # allocated before the recording
     ]
     assert sites == {0: ("/home/me/train.py", 7, "step")}
+
+
+def test_a_forked_child_records_nothing() -> None:
+    """A DataLoader worker made by fork must not grow a log nobody reads."""
+    code = (
+        "import os, torch, torchmem\n"
+        "from torchmem.meters import native\n"
+        "with torchmem.record('cpu') as rec:\n"
+        "    pid = os.fork()\n"
+        "    if pid == 0:\n"
+        "        torch.zeros(1024 * 1024)\n"
+        "        os._exit(len(native.load().record_stop()))\n"
+        "    _, status = os.waitpid(pid, 0)\n"
+        "print(os.waitstatus_to_exitcode(status))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout == "0\n"

@@ -304,3 +304,16 @@ def test_a_forked_child_records_nothing() -> None:
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout == "0\n"
+
+
+@pytest.mark.filterwarnings("ignore:Using `torch.compile\\(module\\)` when there are global hooks")
+def test_a_compiled_module_runs_under_the_hooks() -> None:
+    """Dynamo must not trace torchmem's global hooks (it failed on them)."""
+    model, _ = two_linears()
+    compiled = torch.compile(model, backend="eager")
+    with record() as rec:
+        for _ in range(2):
+            compiled(torch.randn(8, 1024)).sum().backward()
+    end = rec.report().devices["cpu"].categories_at_end
+    assert end is not None
+    assert (end["parameters"], end["gradients"]) == (8 * MiB, 8 * MiB)

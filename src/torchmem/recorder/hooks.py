@@ -18,7 +18,7 @@ import gc
 import threading
 import time
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +30,7 @@ from torch.optim.optimizer import (
 )
 from torch.utils.hooks import RemovableHandle
 
+from torchmem._compat import disable_dynamo
 from torchmem.tensors import discover
 
 PARAMETERS, GRADIENTS, OPTIMIZER_STATE, ACTIVATIONS, OTHER = range(5)
@@ -93,13 +94,15 @@ class Watcher:
 
     def start(self) -> None:
         modules = torch.nn.modules.module
+        # Dynamo must not trace the hooks (it fails on them): they run eagerly, and a
+        # compiled module breaks its graph around them.
         self._handles = [
-            modules.register_module_forward_pre_hook(self._forward_pre),
-            modules.register_module_forward_hook(self._forward, always_call=True),
-            register_optimizer_step_pre_hook(self._step_pre),
-            register_optimizer_step_post_hook(self._step),
+            modules.register_module_forward_pre_hook(_opaque(self._forward_pre)),
+            modules.register_module_forward_hook(_opaque(self._forward), always_call=True),
+            register_optimizer_step_pre_hook(_opaque(self._step_pre)),
+            register_optimizer_step_post_hook(_opaque(self._step)),
         ]
-        self._saved = saved_tensors_hooks(self._pack, _unpack)
+        self._saved = saved_tensors_hooks(_opaque(self._pack), _opaque(_unpack))
         self._saved.__enter__()
 
     def stop(self, held: Iterable[object] = ()) -> None:
@@ -238,6 +241,15 @@ class Watcher:
         if pair is not None and pair in pending:
             pending.remove(pair)
             self._finished.extend(pair)
+
+
+def _opaque(hook: Callable[..., Any]) -> Callable[..., Any]:
+    """`hook` in a function Dynamo never traces (a bound method cannot carry the mark)."""
+
+    def call(*args: Any) -> Any:
+        return hook(*args)
+
+    return disable_dynamo(call)
 
 
 def _unpack(tensor: torch.Tensor) -> torch.Tensor:

@@ -317,3 +317,26 @@ def test_a_compiled_module_runs_under_the_hooks() -> None:
     end = rec.report().devices["cpu"].categories_at_end
     assert end is not None
     assert (end["parameters"], end["gradients"]) == (8 * MiB, 8 * MiB)
+
+
+def test_autograd_patterns_keep_working_and_no_hook_stays() -> None:
+    """autograd.grad (a multi-grad hook in mode "all" raised there), in-place ops on a
+    module's output, gradient accumulation, checkpointing, forward without backward."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(inplace=True), nn.Linear(16, 1))
+    x = torch.randn(4, 16, requires_grad=True)
+    with record() as rec:
+        out = model(torch.randn(4, 16))
+        out += 1
+        out.sum().backward()
+        (model(x).sum() + model(x).sum()).backward()
+        (grad,) = torch.autograd.grad(model(x).sum(), x, create_graph=True)
+        grad.sum().backward()
+        torch.utils.checkpoint.checkpoint(model, x, use_reentrant=False).sum().backward()
+        for _ in range(20):
+            model(x)
+    modules = rec.report().modules
+    assert [(m.name, m.calls) for m in modules] == [("", 26), ("0", 26), ("1", 26), ("2", 26)]
+    assert all(m.backward_peak_bytes is not None for m in modules)
+    assert not x._backward_hooks
+    assert all(not p._backward_hooks for p in model.parameters())

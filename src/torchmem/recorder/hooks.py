@@ -8,8 +8,8 @@ a gradient, optimizer state or an activation. The analysis gives each allocation
 first category of :data:`~torchmem.records.run.CATEGORIES` it was marked with.
 
 Each module's forward call is an interval; so is its backward, from the moment the
-gradient of one of its outputs is ready to the moment the gradients of all its inputs
-(or, where no input needs one, its parameters) are.
+gradient of one of its outputs is ready to the last moment a gradient of one of its inputs
+(or, where no input needs one, of its parameters) is.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from __future__ import annotations
 import gc
 import threading
 import time
-import weakref
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -84,8 +83,7 @@ class Watcher:
         self.calls: dict[int, int] = {}
         self._local = threading.local()
         self._handles: list[RemovableHandle] = []
-        self._pending: dict[int, list[tuple[RemovableHandle, RemovableHandle]]] = {}
-        self._finished: list[RemovableHandle] = []
+        self._pending: dict[int, list[_Backward]] = {}
         self._saved: saved_tensors_hooks | None = None
         self._roots: set[int] = set()
         self._known: dict[int, torch.nn.Module] = {}  # modules seen, or alive at the end
@@ -113,13 +111,12 @@ class Watcher:
         if self._saved is not None:
             self._saved.__exit__(None, None, None)
             self._saved = None
-        for handle in self._handles + self._finished:
+        for handle in self._handles:
             handle.remove()
         for pending in self._pending.values():
-            for start, end in pending:
-                start.remove()
-                end.remove()
-        self._handles, self._finished, self._pending = [], [], {}
+            for backward in pending:
+                self._close(backward)
+        self._handles, self._pending = [], {}
         roots, optimizers = discover(gc.get_objects())
         held_ids = {id(value) for value in held}
         for root in roots:
@@ -191,9 +188,11 @@ class Watcher:
             self._roots.add(key)
             self.roots.append(module)
         self._mark_parameters(module)
-        for handle in self._finished:  # removed here, never inside autograd's own call
-            handle.remove()
-        self._finished = []
+        pending = self._pending.get(key)
+        if pending:  # the backward passes done since its last call (never inside autograd)
+            for backward in [b for b in pending if b.last is not None]:
+                pending.remove(backward)
+                self._close(backward)
         stack.append((key, time.monotonic_ns()))
 
     def _forward(self, module: torch.nn.Module, args: Any, output: Any) -> None:
@@ -212,17 +211,15 @@ class Watcher:
             ends = [p for p in module.parameters() if p.requires_grad]
         if not ends:
             return
-        backward = _Backward(self, key)
-        pair = (
-            register_multi_grad_hook(outputs, backward.begin, mode="any"),
-            register_multi_grad_hook(ends, backward.end, mode="all"),
-        )
-        backward.pair = pair
+        backward = _Backward(key)
+        backward.handles = [register_multi_grad_hook(outputs, backward.begin, mode="any")]
+        # One hook per tensor, not a multi-grad hook in mode "all": that one raises inside
+        # torch.autograd.grad() for leaf tensors (parameters, inputs).
+        backward.handles += [t.register_hook(backward.end) for t in ends]
         pending = self._pending.setdefault(key, [])
-        pending.append(pair)
+        pending.append(backward)
         if len(pending) > PENDING:
-            for handle in pending.pop(0):
-                handle.remove()
+            self._close(pending.pop(0))
 
     def _step_pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self.optimizers.setdefault(id(optimizer), optimizer)
@@ -236,11 +233,12 @@ class Watcher:
         self.mark(tensor, ACTIVATIONS, ("saved", stack[-1][0]) if stack else None)
         return tensor
 
-    def _finish(self, key: int, pair: tuple[RemovableHandle, RemovableHandle] | None) -> None:
-        pending = self._pending.get(key, [])
-        if pair is not None and pair in pending:
-            pending.remove(pair)
-            self._finished.extend(pair)
+    def _close(self, backward: _Backward) -> None:
+        """Remove `backward`'s hooks; keep its interval if it ran."""
+        for handle in backward.handles:
+            handle.remove()
+        if backward.started is not None and backward.last is not None:
+            self.intervals.append(Interval(backward.key, True, backward.started, backward.last))
 
 
 def _opaque(hook: Callable[..., Any]) -> Callable[..., Any]:
@@ -257,24 +255,22 @@ def _unpack(tensor: torch.Tensor) -> torch.Tensor:
 
 
 class _Backward:
-    """One forward call's backward: its start and end times."""
+    """One forward call's backward: from the gradient of one of its outputs to the last
+    gradient of its inputs (or parameters) seen before the module's next call."""
 
-    def __init__(self, watcher: Watcher, key: int) -> None:
-        self.watcher = weakref.ref(watcher)
+    def __init__(self, key: int) -> None:
         self.key = key
         self.started: int | None = None
-        self.pair: tuple[RemovableHandle, RemovableHandle] | None = None
+        self.last: int | None = None
+        self.handles: list[RemovableHandle] = []
 
     def begin(self, grad: Any) -> None:
         if self.started is None:
             self.started = time.monotonic_ns()
 
-    def end(self, grads: Any) -> None:
-        watcher = self.watcher()
-        if watcher is None or self.started is None:
-            return
-        watcher.intervals.append(Interval(self.key, True, self.started, time.monotonic_ns()))
-        watcher._finish(self.key, self.pair)
+    def end(self, grad: Any) -> None:
+        if self.started is not None:
+            self.last = time.monotonic_ns()
 
 
 def _tensors(value: Any) -> Iterator[torch.Tensor]:

@@ -215,7 +215,7 @@ class Watcher:
         backward.handles = [register_multi_grad_hook(outputs, backward.begin, mode="any")]
         # One hook per tensor, not a multi-grad hook in mode "all": that one raises inside
         # torch.autograd.grad() for leaf tensors (parameters, inputs).
-        backward.handles += [t.register_hook(backward.end) for t in ends]
+        backward.handles += [t.register_hook(backward.end) for t in ends]  # type: ignore[no-untyped-call]
         pending = self._pending.setdefault(key, [])
         pending.append(backward)
         if len(pending) > PENDING:

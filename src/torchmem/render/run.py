@@ -276,7 +276,9 @@ def _escape(value: str) -> str:
     return markup.escape(value, quote=True)
 
 
-def _svg(run: DeviceRun, width: int, height: int, standalone: bool) -> str:
+def _svg(run: DeviceRun, width: int, height: int, standalone: bool, until: float = 0.0) -> str:
+    """The chart; its time axis reaches at least `until` seconds (the run's duration, so
+    that the charts of one run line up)."""
     left, right, top, bottom = 70, 16, 30, 26
     plot_w, plot_h = max(width - left - right, 1), max(height - top - bottom, 1)
     peak = f"peak {readable_size(run.peak_bytes)} at {_seconds(run.peak_time)}"
@@ -299,7 +301,7 @@ def _svg(run: DeviceRun, width: int, height: int, standalone: bool) -> str:
     highest = max(run.peak_bytes, *(b for _, b in run.timeline))
     y_ticks = _byte_ticks(math.ceil(highest * 1.08))
     y_max = y_ticks[-1]
-    t_max = max(run.timeline[-1][0], run.peak_time, *(t for t, _ in run.timeline))
+    t_max = max(until, run.peak_time, *(t for t, _ in run.timeline))
     t_max = t_max if t_max > 0 else 1.0
     x_ticks = [t for t in _ticks(t_max) if t <= t_max * (1 + 1e-9)]
 
@@ -362,11 +364,12 @@ def _cell(tag: str, value: str, left: bool) -> str:
 
 def _html_section(section: _Section) -> str:
     def row(cells: tuple[str, ...], tag: str) -> str:
-        return "<tr>" + "".join(_cell(tag, c, i in section.left) for i, c in enumerate(cells))
+        inner = "".join(_cell(tag, c, i in section.left) for i, c in enumerate(cells))
+        return f"<tr>{inner}</tr>"
 
     title = f"<h4>{markup.escape(section.title)}</h4>" if section.title else ""
-    head = f"<thead>{row(section.header, 'th')}</tr></thead>" if section.header else ""
-    body = "".join(row(cells, "td") + "</tr>" for cells in section.rows)
+    head = f"<thead>{row(section.header, 'th')}</thead>" if section.header else ""
+    body = "".join(row(cells, "td") for cells in section.rows)
     more = f"<p>{markup.escape(section.more)}</p>" if section.more else ""
     table = f'<table style="border-collapse: collapse">{head}<tbody>{body}</tbody></table>'
     return f"{title}{table}{more}"
@@ -383,7 +386,9 @@ def html(record: RunRecord, top: int = 10) -> str:
     for index, section in enumerate(_sections(record, top)):
         parts.append(_html_section(section))
         if index == 0 and record.devices:
-            charts = "".join(_svg(run, 720, 180, False) for run in record.devices.values())
+            charts = "".join(
+                _svg(run, 720, 180, False, record.duration) for run in record.devices.values()
+            )
             parts.append(f'<div class="torchmem-charts">{charts}</div>')
     if record.notes:
         items = "".join(f"<li>{markup.escape(note)}</li>" for note in record.notes)

@@ -1,4 +1,4 @@
-"""Does the tool catch the real peak? Three spikes, each run several times, watched by
+r"""Does the tool catch the real peak? Three spikes, each run several times, watched by
 torchmem's tracer and cell logger, by ipyexperiments' ``CellLogger`` (in a real IPython
 shell) and by a 1 ms polling thread (the method of fastai's ``GPUMemTrace``, applied to
 the process's RSS).

@@ -5,7 +5,7 @@ import importlib.metadata
 import sys
 
 import pytest
-from benchmarks import reporter
+from benchmarks import cells, lines, meters, peaks, reporter, run as run_command, suite
 
 from torchmem import MemReporter
 
@@ -114,3 +114,10 @@ def test_a_missing_pytorch_memlab_shows_as_not_installed(monkeypatch):
     assert text[0] == SIZE_HEADER
     assert all(line.endswith("| not installed | - | - |") for line in text[2:-1])
     assert text[-1].endswith("| not installed | - | |")
+
+
+def test_benchmark_docstrings_print_as_written():
+    # RESULTS.md quotes them: an escape in a non-raw docstring becomes a control byte there.
+    for module in (cells, lines, meters, peaks, reporter, run_command):
+        text = suite.doc(module)
+        assert [c for c in text if ord(c) < 32 and c != "\n"] == [], module.__name__

@@ -1,0 +1,64 @@
+"""The README's examples work when pasted: each Python block that the README follows with
+its output runs alone, as a script in a fresh process without GPUs, and prints exactly that
+output. Figures of this machine (its total and free memory) are the only thing masked."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+MACHINE = re.compile(r"\d+\.\d\d[KMGTP]?")
+"""A size in the lines that describe this machine's memory."""
+
+pytestmark = pytest.mark.slow  # a fresh process per example
+
+
+def examples() -> list[tuple[int, str, str]]:
+    """(line, code, output) for each Python block directly followed by an output block."""
+    text = README.read_text()
+    blocks = list(re.finditer(r"```(\w*)\n(.*?)```", text, re.S))
+    found = []
+    for block, after in itertools.pairwise(blocks):
+        if block.group(1) == "python" and not text[block.end() : after.start()].strip():
+            line = text.count("\n", 0, block.start()) + 2
+            found.append((line, block.group(2), after.group(2)))
+    return found
+
+
+def masked(output: str) -> str:
+    """`output` without what only this machine decides: its memory and the traceback."""
+    output = output.split("Traceback (most recent call last):")[0]
+    lines = output.rstrip("\n").splitlines()
+    mine = [line.startswith("Device:") or "whole device" in line for line in lines]
+    return "\n".join(MACHINE.sub("<size>", t) if m else t for t, m in zip(lines, mine, strict=True))
+
+
+def test_the_readme_has_examples_with_output() -> None:
+    assert len(examples()) >= 7
+
+
+@pytest.mark.parametrize(
+    ("line", "code", "output"), examples(), ids=[f"line {line}" for line, _, _ in examples()]
+)
+def test_an_example_prints_what_the_readme_shows(
+    line: int, code: str, output: str, tmp_path: Path
+) -> None:
+    script = tmp_path / "example.py"
+    script.write_text(code)
+    done = subprocess.run(
+        [sys.executable, script.name],
+        cwd=tmp_path,
+        env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    shown = done.stderr if output.startswith("Out of memory") else done.stdout
+    assert masked(shown) == masked(output), f"README.md line {line}"

@@ -6,10 +6,13 @@ in-process ones with :func:`standins.hide_gpus`, the subprocesses with
 """
 
 import argparse
+import errno
+import io
 import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 
@@ -269,3 +272,106 @@ def test_running_a_command_imports_torch():
     result = import_times("devices")
     assert result.returncode == 0, result.stderr
     assert TORCH_IMPORT.search(result.stderr)
+
+
+# Output that cannot be written --------------------------------------------------------
+
+NO_SPACE = os.strerror(errno.ENOSPC)
+BROKEN_PIPE = 128 + signal.SIGPIPE if hasattr(signal, "SIGPIPE") else 1
+"""The exit code a shell shows for a tool that SIGPIPE ended: 141."""
+
+
+class Unwritable(io.StringIO):
+    """A stdout whose writes fail with `error`, as a full disk's or a closed pipe's do."""
+
+    def __init__(self, error: OSError) -> None:
+        super().__init__()
+        self.error = error
+
+    def write(self, text: str) -> int:
+        raise self.error
+
+
+@pytest.mark.parametrize(
+    ("argv", "prog"),
+    [(["devices"], "torchmem devices"), ([], "torchmem"), (["--version"], "torchmem")],
+)
+def test_a_full_disk_is_one_line_and_exit_code_1(no_gpu, monkeypatch, capsys, argv, prog):
+    monkeypatch.setattr(sys, "stdout", Unwritable(OSError(errno.ENOSPC, NO_SPACE)))
+    assert main(argv) == 1
+    assert capsys.readouterr().err == f"{prog}: error: {NO_SPACE}\n"
+
+
+def test_a_broken_pipe_exits_quietly(no_gpu, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "stdout", Unwritable(BrokenPipeError(errno.EPIPE, "Broken pipe")))
+    assert main(["devices", "--json"]) == BROKEN_PIPE
+    assert capsys.readouterr().err == ""
+
+
+def test_a_file_that_cannot_be_written_is_named(monkeypatch, capsys, tmp_path):
+    script = tmp_path / "script.py"
+    script.write_text("print('ran')\n")
+    target = tmp_path / "missing" / "report.json"
+    assert main(["run", "-q", "--json", str(target), str(script)]) == 1
+    out, err = capsys.readouterr()
+    assert out == "ran\n"
+    assert err == f"torchmem run: error: [Errno 2] No such file or directory: '{target}'\n"
+
+
+def run_module(argv, stdout, buffered=True):
+    """``python -m torchmem *argv`` with its stdout on `stdout`, without a GPU."""
+    env = environ_without_gpu()
+    env.pop("PYTHONUNBUFFERED", None)
+    if not buffered:
+        env["PYTHONUNBUFFERED"] = "1"
+    return subprocess.run(
+        [sys.executable, "-m", "torchmem", *argv],
+        stdout=stdout,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+
+
+PRINTING = [
+    (["devices"], "torchmem devices"),
+    (["devices", "--json"], "torchmem devices"),
+    (["devices", "--help"], "torchmem devices"),
+    ([], "torchmem"),
+    (["--version"], "torchmem"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux)")
+@pytest.mark.parametrize("buffered", [True, False], ids=["buffered", "unbuffered"])
+@pytest.mark.parametrize(
+    ("argv", "prog"), PRINTING, ids=[" ".join(a) or "no command" for a, _ in PRINTING]
+)
+def test_stdout_on_a_full_device_is_one_line_on_stderr(argv, prog, buffered):
+    with open("/dev/full", "w") as full:
+        result = run_module(argv, full, buffered)
+    assert (result.returncode, result.stderr) == (1, f"{prog}: error: {NO_SPACE}\n")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("buffered", [True, False], ids=["buffered", "unbuffered"])
+@pytest.mark.parametrize("argv", [["devices"], ["--version"]], ids=["devices", "--version"])
+def test_a_reader_that_went_away_ends_it_quietly(argv, buffered):
+    read, write = os.pipe()
+    os.close(read)  # as `| head -0` does, but before the first write, every time
+    try:
+        result = run_module(argv, write, buffered)
+    finally:
+        os.close(write)
+    assert (result.returncode, result.stderr) == (BROKEN_PIPE, "")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux)")
+def test_a_scripts_output_on_a_full_device(tmp_path):
+    script = tmp_path / "script.py"
+    script.write_text("print('ran')\n")
+    with open("/dev/full", "w") as full:
+        result = run_module(["run", "-q", str(script)], full)
+    assert (result.returncode, result.stderr) == (1, f"torchmem run: error: {NO_SPACE}\n")

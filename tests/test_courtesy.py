@@ -317,6 +317,25 @@ def test_an_unknown_device_is_named(keyword: str) -> None:
         Courtesy(**{keyword: "gpu0"})
 
 
+# An id of "cuda" alone would read as the `cuda` marker, and skip the test without a GPU.
+@pytest.mark.parametrize("to", ["cuda", "cuda:0", "cuda:1"], ids=["index-less", "0", "1"])
+def test_a_destination_without_cuda_is_named_when_made(
+    monkeypatch: pytest.MonkeyPatch, to: str
+) -> None:
+    hide_gpus(monkeypatch)
+    with pytest.raises(ValueError, match=f"device '{to}' is not available"):
+        Courtesy(torch.ones(1), device="cpu", to=to)
+
+
+def test_a_destination_gpu_that_is_not_there_is_named_when_made(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    install_gpus(monkeypatch, [StandInGpu(gpu_uuid(0), total=8 * GiB)])
+    with pytest.raises(ValueError, match="no device 'cuda:3'"):
+        Courtesy(torch.ones(1), device="cpu", to="cuda:3")
+    Courtesy(torch.ones(1), device="cpu", to="cuda:0")  # there: no error
+
+
 def test_an_unknown_target_is_named() -> None:
     with pytest.raises(TypeError, match="str"):
         Courtesy("model")

@@ -26,6 +26,7 @@ from standins import (
     MiB,
     NvmlStandIn,
     StandInGpu,
+    StandInNvmlHandle,
     StandIns,
     gpu_uuid,
     install_gpus,
@@ -316,6 +317,30 @@ def test_without_nvml_memory_comes_from_mem_get_info(
     assert gpu_mem_get_used_fast(nvml_handle(0)) == 0
     # NVML is tried once, not on every query.
     assert standins.cuda.count("nvml.nvmlInit") == (1 if nvml == "broken" else 0)
+
+
+@pytest.mark.parametrize("bad", ["x", 0, 1.0, True, np.int64(0), b"GPU-0"])
+@pytest.mark.parametrize("nvml", ["present", "missing"])
+def test_used_fast_names_a_value_that_is_not_a_handle(
+    monkeypatch: pytest.MonkeyPatch, nvml: str, bad: object
+) -> None:
+    install_gpus(monkeypatch, rig(), nvml=nvml)
+    with pytest.raises(TypeError) as info:
+        gpu_mem_get_used_fast(bad)
+    assert f"not {bad!r} ({type(bad).__name__})" in str(info.value)
+    assert ("NVML is not available here" in str(info.value)) is (nvml == "missing")
+
+
+def test_used_fast_takes_only_pynvmls_handle_type(monkeypatch: pytest.MonkeyPatch) -> None:
+    """pynvml's handles are ctypes pointers (``c_nvmlDevice_t``); NVML would read any
+    other object as one."""
+    monkeypatch.setattr(NvmlStandIn, "c_nvmlDevice_t", StandInNvmlHandle, raising=False)
+    install_gpus(monkeypatch, rig())
+    handle = nvml_handle(0)
+    assert isinstance(handle, StandInNvmlHandle)
+    assert gpu_mem_get_used_fast(handle) == handle.gpu.used // MiB
+    with pytest.raises(TypeError, match="gpu_handle must be an NVML device handle"):
+        gpu_mem_get_used_fast(object())
 
 
 @pytest.mark.parametrize("bad", [2, 4, 5, -1, "0", True, 1.0])

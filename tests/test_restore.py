@@ -1,6 +1,7 @@
 """The out-of-memory traceback helpers, in a real IPython shell."""
 
 import gc
+import re
 import traceback
 import weakref
 
@@ -166,3 +167,119 @@ def test_get_ref_free_exc_info_clears_the_frames():
     assert tb is exc.__traceback__
     gc.collect()
     assert refs[0]() is None
+
+
+# Generators in the traceback -------------------------------------------------------------
+
+
+def test_a_suspended_generator_in_the_traceback_can_still_be_resumed(capsys):
+    """A generator that caught an out-of-memory error and handed it out is still paused
+    inside the error's traceback: clearing its frame would finalize it."""
+    finalized = []
+
+    def steps():
+        try:
+            try:
+                torch.empty(2**45)
+            except RuntimeError as exc:
+                error = exc
+            yield error
+            yield "resumed"
+        finally:
+            finalized.append(True)
+
+    paused = steps()
+    error = next(paused)
+    with pytest.raises(RuntimeError) as info, gpu_mem_restore_ctx():
+        raise error
+    assert info.value is error
+    assert paused.gi_frame in [entry.tb_frame for entry in _entries(error.__traceback__)]
+    assert finalized == []
+    assert next(paused) == "resumed"
+    paused.close()
+    assert finalized == [True]
+    assert capsys.readouterr().err.startswith("Out of memory on cpu")
+
+
+def test_a_finished_generators_frame_is_still_cleared():
+    refs = []
+
+    def fails():
+        big = torch.ones(1024)
+        refs.append(weakref.ref(big.untyped_storage()))
+        raise ValueError("x")
+        yield
+
+    with pytest.raises(ValueError), gpu_mem_restore_ctx():
+        next(fails())
+    gc.collect()
+    assert refs[0]() is None
+
+
+def test_get_ref_free_exc_info_leaves_a_suspended_generator_alone():
+    def steps():
+        try:
+            raise ValueError("x")
+        except ValueError as exc:
+            yield exc
+        yield "resumed"
+
+    paused = steps()
+    error = next(paused)
+    try:
+        raise error
+    except ValueError:
+        get_ref_free_exc_info()
+    assert next(paused) == "resumed"
+
+
+def _entries(tb):
+    while tb is not None:
+        yield tb
+        tb = tb.tb_next
+
+
+# The settings, as written by hand ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("value", [" 0", "0 ", "\t0\n", "false", "False", "NO", "off"])
+def test_never_clear_spelt_with_spaces_or_in_words(monkeypatch, value):
+    monkeypatch.setenv("TORCHMEM_TB_CLEAR_FRAMES", value)
+    ctx = lambda f: lambda: _run_in(gpu_mem_restore_ctx, f)  # noqa: E731
+    assert call_failing(ctx, ValueError("x"))[1]() is not None
+
+
+@pytest.mark.parametrize("value", [" 1", "1\n", "true", "Yes", "ON"])
+def test_always_clear_spelt_with_spaces_or_in_words(ipython, monkeypatch, value):
+    monkeypatch.setenv("TORCHMEM_TB_CLEAR_FRAMES", value)
+    assert call_failing(gpu_mem_restore, ValueError("x"))[1]() is None
+
+
+@pytest.mark.parametrize("empty", ["", "  "])
+def test_an_empty_setting_is_unset_and_fastais_is_read(ipython, monkeypatch, empty):
+    monkeypatch.setenv("TORCHMEM_TB_CLEAR_FRAMES", empty)
+    assert call_failing(gpu_mem_restore, cpu_oom())[1]() is None  # the default
+    monkeypatch.setenv("FASTAI_TB_CLEAR_FRAMES", "0")
+    assert call_failing(gpu_mem_restore, cpu_oom())[1]() is not None
+    ctx = lambda f: lambda: _run_in(gpu_mem_restore_ctx, f)  # noqa: E731
+    assert call_failing(ctx, ValueError("x"))[1]() is not None
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("TORCHMEM_TB_CLEAR_FRAMES", "2"),
+        ("TORCHMEM_TB_CLEAR_FRAMES", "maybe"),
+        ("TORCHMEM_TB_CLEAR_FRAMES", "0 1"),
+        ("FASTAI_TB_CLEAR_FRAMES", "never"),
+    ],
+)
+def test_an_unknown_setting_is_named_before_the_block_runs(ipython, monkeypatch, name, value):
+    monkeypatch.setenv(name, value)  # after the import: read as the block starts
+    ran = []
+    expected = f"{name}={value!r} is not a valid setting"
+    with pytest.raises(ValueError, match=re.escape(expected)), gpu_mem_restore_ctx():
+        ran.append(True)
+    with pytest.raises(ValueError, match=re.escape(expected)):
+        gpu_mem_restore(ran.append)(True)
+    assert ran == []

@@ -81,6 +81,12 @@ def test_parse_size(text, expected):
         "five",
         "nan",
         "inf",
+        "12iB",  # a binary "i" needs its prefix
+        "12 ib",
+        "iB",
+        "1e308P",  # finite alone, too large in bytes
+        "1e300 PiB",
+        "9e307K",
         -1,
         -1.0,
         1.5,
@@ -96,3 +102,8 @@ def test_parse_size_rejects_bad_values_naming_them(bad):
     with pytest.raises(ValueError) as info:
         parse_size(bad)
     assert repr(bad) in str(info.value)
+
+
+def test_the_largest_sizes_still_parse():
+    assert parse_size("1e308") == int(1e308)
+    assert parse_size("1e290P") == round(1e290 * 2**50)

@@ -57,7 +57,8 @@ class Courtesy:
     itself (a few hundred MB) stays on the GPU.
 
     Raises:
-        ValueError: naming the value, for a device PyTorch does not know.
+        ValueError: naming the value, for a device PyTorch does not know, or a `to` that
+            is not available here (``"cuda"`` without CUDA, ``"cuda:3"`` with one GPU).
         TypeError: naming the type, for a target that is none of the above.
     """
 
@@ -72,6 +73,7 @@ class Courtesy:
             parse_device(device)  # a misspelt device fails here; a missing one on use
         self.device = device
         self.to = parse_device(to)
+        resolve_device(to)  # where they go must exist here: "cuda" without CUDA fails now
         for target in targets:
             _check_target(target)
         self._moved: list[tuple[weakref.ref[torch.Tensor], torch.device]] = []

@@ -10,7 +10,9 @@ nothing fails without a GPU: the queries answer zeros, ``[]`` or ``(None, 0)``.
 from __future__ import annotations
 
 import gc
+import numbers
 import operator
+import reprlib
 from typing import Any, SupportsIndex, cast
 
 import psutil
@@ -80,9 +82,14 @@ def gpu_mem_get_used_fast(gpu_handle: Any) -> int:
 
     The cheapest query, for polling: no cache flush, no index mapping. Returns 0 for a
     ``None`` handle (no GPU, or no NVML).
+
+    Raises:
+        TypeError: naming the value, for anything but a handle or None (a device index,
+            a string; any value where NVML is not available).
     """
     if gpu_handle is None:
         return 0
+    _check_handle(gpu_handle)
     return b2mb(nvml.memory(gpu_handle)[2])
 
 
@@ -237,6 +244,22 @@ def _device_bytes(id: object) -> tuple[int, int, int] | None:
 def _flush() -> None:
     gc.collect()
     torch.cuda.empty_cache()
+
+
+def _check_handle(handle: object) -> None:
+    """Refuse what cannot be an NVML device handle, before NVML reads it as a pointer."""
+    lib = nvml.nvml()
+    kind = getattr(lib, "c_nvmlDevice_t", None)  # pynvml's handle type
+    if (
+        lib is None
+        or isinstance(handle, (str, bytes, bytearray, numbers.Number))
+        or (isinstance(kind, type) and not isinstance(handle, kind))
+    ):
+        why = "" if lib is not None else "; NVML is not available here, so there are none"
+        raise TypeError(
+            "gpu_mem_get_used_fast: gpu_handle must be an NVML device handle from"
+            f" nvml_handle(), or None, not {reprlib.repr(handle)} ({type(handle).__name__}){why}"
+        )
 
 
 def _check_mbs(function: str, n: object) -> None:

@@ -2,7 +2,8 @@
 
 :func:`explain_oom` turns an out-of-memory error (CUDA, MPS or the CPU allocator) into an
 :class:`OOMReport`; :func:`oom_guard` prints that report when such an error passes
-through a block or a function, and re-raises the error unchanged.
+through a block or a function, and re-raises the error unchanged. A report that cannot be
+made or printed never takes the error's place: :func:`print_oom_report` warns instead.
 """
 
 from __future__ import annotations
@@ -10,13 +11,16 @@ from __future__ import annotations
 import contextlib
 import gc
 import re
+import reprlib
 import sys
+import warnings
 from collections.abc import Callable, Iterable
-from typing import TextIO
+from typing import TextIO, cast
 
 import psutil
 import torch
 
+from torchmem.errors import TorchmemWarning
 from torchmem.records.oom import Hint, OOMRecord
 from torchmem.records.tensors import TensorRecord
 from torchmem.resolve import DeviceLike, parse_device, resolve_device
@@ -79,9 +83,20 @@ def explain_oom(
             :class:`MemReporter`; default everything the garbage collector tracks.
 
     Optimizers found among `objects` name their state (``Adam.fc1.weight.exp_avg``).
+    Tensors whose memory cannot be read (where listing every live tensor fails, e.g. sparse
+    CSR tensors inside ``torch.func.grad``) are left out, and the report says so.
+
+    Raises:
+        TypeError: naming the value, if `exc` is not an exception, `model` not a module or
+            `objects` not callable.
+        ValueError: naming the value, if `exc` is not an out-of-memory error (see
+            :func:`is_oom`) or `device` is not a device of this machine.
     """
+    _check_arguments(exc, model, objects)
     message = str(exc)
-    where = parse_device(device if device is not None else _device_of(message))
+    # A device read from the message is named even where it is not visible here (a
+    # message from another process, or from a log); a device given must be one of ours.
+    where = resolve_device(device) if device is not None else parse_device(_device_of(message))
     requested = _requested(message)
     total = free = allocated = reserved = None
     if where.type == "cuda" and torch.cuda.is_available():
@@ -97,23 +112,96 @@ def explain_oom(
         ram = psutil.virtual_memory()
         total, free = ram.total, ram.available
     name = str(where)
-    roots, optimizers = discover(objects() if objects is not None else gc.get_objects())
+    records, notes = _live_tensors(name, model, gc.get_objects if objects is None else objects)
+    counted = [r for r in records if r.nbytes]  # a view's bytes are its base's
+    largest = tuple(sorted(counted, key=lambda r: r.nbytes, reverse=True)[:LARGEST])
+    history = sum(r.nbytes for r in records if _has_history(r))
+    hints = _hints(requested, total, allocated, reserved, history)
+    return OOMReport(
+        name, requested, total, free, allocated, reserved, largest, history, hints, notes
+    )
+
+
+def _check_arguments(exc: object, model: object, objects: object) -> None:
+    if not isinstance(exc, BaseException):
+        raise TypeError(f"explain_oom: exc must be the exception caught, not {_describe(exc)}")
+    if not is_oom(exc):
+        raise ValueError(
+            f"explain_oom: {_describe(exc)} is not an out-of-memory error: expected"
+            " torch.OutOfMemoryError, or a RuntimeError or MemoryError whose message says"
+            " 'out of memory' or 'can't allocate memory'"
+        )
+    if model is not None and not isinstance(model, torch.nn.Module):
+        raise TypeError(f"explain_oom: model must be a torch.nn.Module, not {_describe(model)}")
+    if objects is not None and not callable(objects):
+        raise TypeError(
+            "explain_oom: objects must be a function returning the objects to scan,"
+            f" not {_describe(objects)}"
+        )
+
+
+def _describe(value: object) -> str:
+    return f"{reprlib.repr(value)} ({type(value).__name__})"
+
+
+def _live_tensors(
+    device: str, model: torch.nn.Module | None, objects: Callable[[], Iterable[object]]
+) -> tuple[list[TensorRecord], tuple[str, ...]]:
+    """The records of the live tensors on `device`, and notes on what could not be read.
+
+    The report must come out whatever the process holds, so a walk that fails is tried
+    again without the tensors most likely to fail (any but plain strided ones), and
+    otherwise given up with a note.
+    """
+    try:
+        return _snapshot(device, model, objects), ()
+    except Exception as exc:
+        failure = _first_line(exc)
+    try:
+        records = _snapshot(device, model, lambda: [o for o in objects() if _readable(o)])
+    except Exception as exc:
+        return [], (f"The live tensors could not be listed ({_first_line(exc)}).",)
+    return records, (f"Tensors that could not be read are not listed ({failure}).",)
+
+
+def _snapshot(
+    device: str, model: torch.nn.Module | None, objects: Callable[[], Iterable[object]]
+) -> list[TensorRecord]:
+    roots, optimizers = discover(objects())
     if model is None and len(roots) == 1:
         model = roots[0]
     reporter = MemReporter(model, objects=objects)
     for optimizer in optimizers:
         reporter.add_optimizer(optimizer)
-    records = reporter.snapshot(name)
-    counted = [r for r in records if r.nbytes]  # a view's bytes are its base's
-    largest = tuple(sorted(counted, key=lambda r: r.nbytes, reverse=True)[:LARGEST])
-    history = sum(r.nbytes for r in records if _has_history(r))
-    hints = _hints(requested, total, allocated, reserved, history)
-    return OOMReport(name, requested, total, free, allocated, reserved, largest, history, hints)
+    return reporter.snapshot(device)
+
+
+def _readable(obj: object) -> bool:
+    """False for a tensor other than a dense one of PyTorch's own classes."""
+    if not issubclass(type(obj), torch.Tensor):  # type(): as tensors_in, for weak proxies
+        return True
+    try:
+        plain = cast(torch.Tensor, obj)
+        return (
+            type(plain) in (torch.Tensor, torch.nn.Parameter)
+            and plain.layout is torch.strided
+            and not plain.is_nested
+        )
+    except Exception:
+        return False
+
+
+def _first_line(exc: BaseException) -> str:
+    message = str(exc).strip()
+    return f"{type(exc).__name__}: {message.splitlines()[0]}" if message else type(exc).__name__
 
 
 def _has_history(record: TensorRecord) -> bool:
-    tensor = record.tensor() if record.tensor is not None else None
-    return tensor is not None and tensor.grad_fn is not None
+    try:
+        tensor = record.tensor() if record.tensor is not None else None
+        return tensor is not None and tensor.grad_fn is not None
+    except Exception:  # a tensor that cannot say: counted as without
+        return False
 
 
 def _device_of(message: str) -> str:
@@ -153,13 +241,67 @@ def _hints(
     return tuple(hints)
 
 
+def print_oom_report(
+    exc: BaseException,
+    stream: TextIO | None = None,
+    *,
+    model: torch.nn.Module | None = None,
+    stacklevel: int = 1,
+) -> bool:
+    """Print :func:`explain_oom`'s report of `exc` to `stream` (default: stderr now).
+
+    Meant for the moment an out-of-memory error passes through, where nothing must take
+    the error's place: a report that cannot be made or printed (a closed stream, an error
+    inside :func:`explain_oom`) only warns (:class:`~torchmem.errors.TorchmemWarning`,
+    `stacklevel` above the caller), and never raises an ``Exception``.
+
+    Returns:
+        Whether the report was printed.
+    """
+    try:
+        text = str(explain_oom(exc, model=model))
+        print(text, file=stream if stream is not None else sys.stderr)
+    except Exception as failure:
+        # With warnings turned into errors the warning itself raises: it must not escape.
+        with contextlib.suppress(Exception):
+            warnings.warn(
+                f"torchmem could not report the out-of-memory error: {_first_line(failure)}",
+                TorchmemWarning,
+                stacklevel=stacklevel + 1,
+            )
+        return False
+    return True
+
+
 class oom_guard(contextlib.ContextDecorator):
     """Print an :class:`OOMReport` (to `stream`, default stderr) when an out-of-memory
     error passes through, then re-raise it unchanged. A context manager and a decorator:
     ``with oom_guard(): ...`` or ``@oom_guard()``; `model` names the largest tensors
-    after its parameters."""
+    after its parameters.
+
+    The error always passes through as it came (the same object, with its traceback): a
+    report that fails then (the stream closed meanwhile, a tensor that cannot be read)
+    only warns, with :class:`~torchmem.errors.TorchmemWarning`.
+
+    Raises:
+        TypeError: naming the value, if `stream` has no ``write`` method or `model` is
+            not a module.
+        ValueError: if `stream` is closed already.
+    """
 
     def __init__(self, stream: TextIO | None = None, *, model: torch.nn.Module | None = None):
+        if stream is not None:
+            if not callable(getattr(stream, "write", None)):
+                raise TypeError(
+                    "oom_guard: stream must be a text stream (with write) or None,"
+                    f" not {_describe(stream)}"
+                )
+            if getattr(stream, "closed", False) is True:
+                raise ValueError(f"oom_guard: stream {_describe(stream)} is closed")
+        if model is not None and not isinstance(model, torch.nn.Module):
+            raise TypeError(
+                f"oom_guard: model must be a torch.nn.Module or None, not {_describe(model)}"
+            )
         self.stream = stream
         self.model = model
 
@@ -168,4 +310,4 @@ class oom_guard(contextlib.ContextDecorator):
 
     def __exit__(self, exc_type, exc, tb) -> None:  # type: ignore[no-untyped-def]
         if exc is not None and is_oom(exc):
-            print(explain_oom(exc, model=self.model), file=self.stream or sys.stderr)
+            print_oom_report(exc, self.stream, model=self.model, stacklevel=2)

@@ -19,7 +19,7 @@ _SIZE = re.compile(
     r"""^\s*
     (?P<number>(?:\d+(?:\.\d*)?|\.\d+)(?:e[+-]?\d+)?)
     \s*
-    (?P<prefix>[kmgtp]?)(?:i?b)?
+    (?:(?P<prefix>[kmgtp])(?:i?b)?|b)?
     \s*$""",
     re.IGNORECASE | re.VERBOSE,
 )
@@ -85,10 +85,10 @@ def parse_size(size: int | float | str) -> int:
                 f"invalid size {size!r}: expected a number and an optional unit "
                 "(B, K/KB/KiB, M/MB/MiB, G/GB/GiB, T/TB/TiB, P/PB/PiB), e.g. '500MB' or '1.5 GiB'"
             )
-        number = float(match["number"])
-        if not math.isfinite(number):
+        nbytes = float(match["number"]) * _FACTORS[(match["prefix"] or "").lower()]
+        if not math.isfinite(nbytes):
             raise ValueError(f"invalid size {size!r}: the number is too large")
-        return round(number * _FACTORS[match["prefix"].lower()])
+        return round(nbytes)
     raise ValueError(
         f"invalid size {size!r} of type {type(size).__name__}: expected int bytes or a string"
     )

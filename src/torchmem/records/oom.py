@@ -47,3 +47,6 @@ class OOMRecord:
     they keep what backward needs alive."""
     hints: tuple[Hint, ...]
     """What to try, following from the numbers above, most specific first."""
+    notes: tuple[str, ...] = ()
+    """What the report could not find out, one sentence each: tensors whose memory could
+    not be read, for instance."""

@@ -29,6 +29,7 @@ def text(report: OOMRecord) -> str:
         lines += rows(
             [(f"  {r.name}", size_text(r.shape), readable_size(r.nbytes)) for r in report.largest]
         )
+    lines.extend(report.notes)
     lines.append("What to try:")
     lines.extend(f"- {hint_text(hint, report)}" for hint in report.hints)
     return "\n".join(lines)

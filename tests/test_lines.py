@@ -41,7 +41,7 @@ def _global_on_cpu(isolated_meters: None, monkeypatch: pytest.MonkeyPatch) -> It
     registry)."""
     monkeypatch.setattr(torchmem.lines.memlab, "_global", LineProfiler(device="cpu"))
     yield
-    atexit.unregister(torchmem.lines.memlab._global.print_stats)  # @profile's report at exit
+    atexit.unregister(torchmem.lines.memlab._print_at_exit)  # @profile's reports at exit
 
 
 def alive() -> int:
@@ -436,9 +436,11 @@ def test_unwatched_frames_are_not_traced():
     def watched():
         probe()
 
+    watched()  # what the tracer already there, if any (coverage.py), makes of it
     with LineProfiler(watched, device="cpu") as prof:
         watched()
-    assert seen == [None]
+    assert seen == [seen[0], seen[0]]
+    assert seen[0] is None or seen[0] is sys.gettrace()
     assert prof.records(watched)[0].ran
 
 

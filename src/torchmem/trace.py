@@ -6,11 +6,11 @@ polling thread) and traces nested inside each other do not disturb one another.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from types import TracebackType
 from typing import Any, TypeVar, overload
 
+from torchmem.lines.wrapping import wrap_calls
 from torchmem.meters import Window, meter
 from torchmem.resolve import DeviceLike
 from torchmem.units import b2mb
@@ -191,17 +191,23 @@ def mem_trace(func: F | None = None, *, device: DeviceLike | None = None) -> F |
     """Decorator: trace every call of a function and report ``(qualname: exit)``; also
     ``gpu_mem_trace``.
 
-    Use bare (``@mem_trace``) or with a device (``@mem_trace(device="cpu")``). The
-    function's name, docstring and return value are kept; exceptions pass through.
+    Use bare (``@mem_trace``) or with a device (``@mem_trace(device="cpu")``), on a
+    function, a coroutine function (the trace spans its await), a generator or an async
+    generator function (from its first step until it is exhausted or closed), or above
+    ``@staticmethod`` or ``@classmethod``. The function's name, docstring and return value
+    are kept; exceptions pass through.
+
+    Raises:
+        TypeError: naming what is not callable.
     """
 
     def decorate(function: F) -> F:
-        @functools.wraps(function)
-        def traced(*args: Any, **kwargs: Any) -> Any:
-            with MemTrace(ctx=function.__qualname__, on_exit_report=True, device=device):
-                return function(*args, **kwargs)
-
-        return traced  # type: ignore[return-value]
+        held = function.__func__ if isinstance(function, staticmethod | classmethod) else function
+        qualname = getattr(held, "__qualname__", repr(held))
+        return wrap_calls(
+            function,
+            each_call=lambda: MemTrace(ctx=qualname, on_exit_report=True, device=device),
+        )
 
     return decorate if func is None else decorate(func)
 

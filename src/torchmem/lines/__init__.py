@@ -3,7 +3,8 @@
 One module per concern: :mod:`~torchmem.lines.columns` (what can be shown),
 :mod:`~torchmem.lines.recording` (what is recorded, and the calls being measured),
 :mod:`~torchmem.lines.settrace` and :mod:`~torchmem.lines.monitoring` (where events come
-from), :mod:`~torchmem.lines.profiler` (``LineProfiler``) and
+from), :mod:`~torchmem.lines.profiler` (``LineProfiler``),
+:mod:`~torchmem.lines.wrapping` (decorating every kind of function and method) and
 :mod:`~torchmem.lines.memlab` (pytorch_memlab's global profiler and decorators). The
 records are :class:`~torchmem.records.lines.FunctionRecord` and
 :class:`~torchmem.records.lines.LineRecord`.

@@ -10,7 +10,6 @@ before (:mod:`~torchmem.lines.settrace`).
 
 from __future__ import annotations
 
-import functools
 import inspect
 import sys
 import threading
@@ -24,6 +23,7 @@ from torchmem.lines.columns import check_columns
 from torchmem.lines.monitoring import Monitoring
 from torchmem.lines.recording import Backend, Recording, WatchedFunction
 from torchmem.lines.settrace import Settrace
+from torchmem.lines.wrapping import wrap_calls
 from torchmem.meters import Meter, meter
 from torchmem.records.lines import FunctionRecord
 from torchmem.resolve import DeviceLike, default_device, parse_device, resolve_device
@@ -158,21 +158,28 @@ class LineProfiler:
         installed before (a debugger, coverage) keeps receiving all its events.
         """
         thread = threading.get_ident()
-        depths = self._recording.depth
-        with self._recording.lock:
+        recording = self._recording
+        with recording.lock:
+            depths = recording.depth
             depth = depths.get(thread, 0)
+            first = not depths
             depths[thread] = depth + 1
-            first = len(depths) == 1 and depth == 0
-        if first:
-            self._backend = Monitoring.join(self._recording) or Settrace(self._recording)
-        if depth == 0 and self._backend is not None:
-            self._backend.enter_thread()
+            if first:
+                self._backend = Monitoring.join(recording) or Settrace.join(recording)
+            if depth == 0 and self._backend is not None:
+                self._backend.enter_thread()
 
     def disable(self) -> None:
-        """Stop profiling in this thread; the previous tracer, if any, is back in place."""
+        """Stop profiling in this thread; the previous tracer, if any, is back in place.
+
+        Calls of the watched functions still running in this thread (all threads, when
+        this was the last thread profiling) stop being measured: their windows close, and
+        their frames are let go.
+        """
         thread = threading.get_ident()
-        depths = self._recording.depth
-        with self._recording.lock:
+        recording = self._recording
+        with recording.lock:
+            depths = recording.depth
             depth = depths.get(thread, 0) - 1
             if depth < 0:
                 return
@@ -181,16 +188,17 @@ class LineProfiler:
                 return
             del depths[thread]
             last = not depths
-        backend = self._backend
-        if backend is not None:
-            backend.leave_thread()
-            if last:
-                backend.stop()
-                self._backend = None
-        # Calls still running here (disable() called inside a watched function, or a
-        # debugger took over their frames) stop being measured now.
-        running = self._recording.running
-        for call in [c for c in list(running.values()) if c.thread == thread]:
+            backend = self._backend
+            if backend is not None:
+                backend.leave_thread()
+                if last:
+                    backend.stop()
+                    self._backend = None
+            # Calls still running here (disable() called inside a watched function, or a
+            # debugger took over their frames), and after the last disable() calls running
+            # in other threads, whose events may never come again.
+            calls = [c for c in list(recording.running.values()) if last or c.thread == thread]
+        for call in calls:
             call.end()
 
     def __enter__(self) -> LineProfiler:
@@ -242,44 +250,10 @@ class LineProfiler:
     # Decorating -----------------------------------------------------------------------
 
     def wrap_function(self, func: F) -> F:
-        """`func`, profiled while it runs (each step, for a generator); add it with
-        :meth:`add_function` to record its lines."""
-        if inspect.isgeneratorfunction(func):
-
-            @functools.wraps(func)
-            def generator(*args: Any, **kwargs: Any) -> Any:
-                gen = func(*args, **kwargs)
-                step, value = gen.send, None
-                while True:
-                    with self:
-                        try:
-                            item = step(value)
-                        except StopIteration as stop:
-                            return stop.value
-                    try:
-                        value, step = (yield item), gen.send
-                    except GeneratorExit:
-                        gen.close()
-                        raise
-                    except BaseException as exc:
-                        value, step = exc, gen.throw
-
-            return generator  # type: ignore[return-value]
-        if inspect.iscoroutinefunction(func):
-
-            @functools.wraps(func)
-            async def coroutine(*args: Any, **kwargs: Any) -> Any:
-                with self:
-                    return await func(*args, **kwargs)
-
-            return coroutine  # type: ignore[return-value]
-
-        @functools.wraps(func)
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            with self:
-                return func(*args, **kwargs)
-
-        return wrapper  # type: ignore[return-value]
+        """`func`, profiled while it runs: each step of a generator or an async generator,
+        the whole await of a coroutine; a ``staticmethod`` or ``classmethod`` gives the same
+        kind of method back. Add it with :meth:`add_function` to record its lines."""
+        return wrap_calls(func, each_step=lambda: self)
 
 
 _Selected = Callable[..., Any] | str

@@ -34,7 +34,7 @@ class Recording:
         frame object under ``sys.settrace``: that would keep its locals alive)."""
         self.depth: dict[int, int] = {}
         """Thread -> how many times profiling is enabled in it; empty while disabled."""
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()
         """Guards :attr:`depth` and what the lines record."""
 
 
@@ -122,9 +122,24 @@ def _delta_key(key: str) -> str:
 
 
 class Call:
-    """One running call of a watched function: its window, and the line it is on."""
+    """One running call of a watched function: its window, and the line it is on.
 
-    __slots__ = ("function", "key", "line", "meter", "recording", "start", "thread", "window")
+    Its events come from its own thread; :meth:`end` may also come from another one (the
+    thread that disables the profiler), so a lock of its own orders the two.
+    """
+
+    __slots__ = (
+        "ended",
+        "function",
+        "key",
+        "line",
+        "lock",
+        "meter",
+        "recording",
+        "start",
+        "thread",
+        "window",
+    )
 
     def __init__(self, recording: Recording, function: WatchedFunction, key: object = None) -> None:
         self.recording = recording
@@ -132,6 +147,9 @@ class Call:
         self.key = self if key is None else key
         """Its key in :attr:`Recording.running`."""
         self.thread = threading.get_ident()
+        self.lock = threading.Lock()
+        self.ended = False
+        """True once :meth:`end` ran: it measures nothing more."""
         self.meter: Meter | None = None
         self.window: Window | None = None
         self.line = 0
@@ -139,27 +157,30 @@ class Call:
 
     def at_line(self, lineno: int) -> None:
         """The call reached line `lineno`: charge what happened since the last line to it."""
-        window = self.window
-        if window is None:
-            if not self.recording.depth:  # started before disable(), now just winding down
-                return
-            self.meter = self.recording.meter()
-            self.window = self.meter.window()
-            self.start = self.meter.counters()
-        else:
-            self._charge(*window.lap_with_counters())
-        self.line = lineno
+        with self.lock:
+            window = self.window
+            if window is None:
+                # Ended, or started before disable() and now just winding down.
+                if self.ended or not self.recording.depth:
+                    return
+                meter = self.meter = self.recording.meter()
+                self.window = meter.window()
+                self.start = meter.counters()
+            else:
+                self._charge(*window.lap_with_counters())
+            self.line = lineno
 
     def end(self) -> None:
-        """The call returned, raised, yielded, or stopped being measured."""
+        """The call returned, raised, yielded, or stopped being measured (in any thread)."""
         self.recording.running.pop(self.key, None)
-        window = self.window
-        if window is None:
-            return
-        self.window = None
-        peaks, end = window.lap_with_counters()
-        window.close()
-        self._charge(peaks, end)
+        with self.lock:
+            self.ended = True
+            window, self.window = self.window, None
+            if window is None:
+                return
+            peaks, end = window.lap_with_counters()
+            window.close()
+            self._charge(peaks, end)
 
     def _charge(self, peaks: dict[str, int], end: dict[str, int]) -> None:
         """Charge what happened since the line started (`peaks`, and `end` against the

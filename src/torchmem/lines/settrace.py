@@ -1,7 +1,11 @@
 """The ``sys.settrace`` back end, for Python before 3.12 (and where ``sys.monitoring`` has
-no free tool id): a global trace function per thread that traces the watched functions'
-frames and hands every other frame back to the tracer installed before (a debugger,
-coverage.py), or to none."""
+no free tool id): one global trace function per thread, shared by every enabled profiler,
+that traces the watched functions' frames and hands every event to the tracer installed
+before it (a debugger, coverage.py), or to none.
+
+One hook per thread, whatever the number of profilers, so that profilers enabled and
+disabled in any order leave the tracer that was there before the first one in place.
+"""
 
 from __future__ import annotations
 
@@ -40,57 +44,172 @@ class TracedCall(Call):
         return self
 
 
-def _hook(recording: Recording, chained: TraceFunction) -> TraceFunction:
-    """The global trace function for one thread: it traces the watched functions' frames
-    and leaves every other frame to `chained`, the tracer that was there before (or to
-    none). A plain function, as it runs on every Python call: the cheapest thing to call.
+class ThreadTrace:
+    """Our trace hook in one thread, and the trace function it forwards events to."""
+
+    __slots__ = ("chained", "entered", "hook", "started")
+
+    def __init__(self, tracer: Settrace, chained: TraceFunction, started: bool) -> None:
+        self.chained = chained
+        """The tracer that would be installed in this thread without ours."""
+        self.entered = 0
+        """How many times profiling was enabled in this thread, and not yet disabled."""
+        self.started = started
+        """True in a thread started while profiling: its hook stays until profiling stops."""
+        self.hook = _hook(tracer, self)
+
+
+def _hook(tracer: Settrace, thread: ThreadTrace) -> TraceFunction:
+    """The global trace function of one thread: it traces the watched functions' frames
+    and forwards every event to ``thread.chained``. A plain function, as it runs on every
+    Python call: the cheapest thing to call.
     """
-    functions, running, depth = recording.functions, recording.running, recording.depth
+    recordings, watched = tracer.recordings, tracer.watched
+    gettrace, settrace = sys.gettrace, sys.settrace
+    chained = thread.chained  # kept here too: a closure's variable is quicker to read
 
     def hook(frame: types.FrameType, event: str, arg: Any) -> Any:
+        nonlocal chained
         # Only "call" events reach a global trace function.
-        local = chained(frame, event, arg) if chained is not None else None
-        if depth:
-            function = functions.get(id(frame.f_code))
-            if function is not None:
-                call = TracedCall(recording, function, local)
-                running[call] = call
-                return call
+        local = None
+        if chained is not None:
+            local = chained(frame, event, arg)
+            now = gettrace()
+            if now is not hook:
+                # coverage.py's C tracer installs itself again (the C way) on every call
+                # event it is handed, and its thread starter puts its real tracer in its
+                # place: that is now the tracer to forward to, behind ours.
+                chained = thread.chained = now
+                settrace(hook)
+        if not recordings:  # every profiler is off: step aside
+            if gettrace() is hook:
+                settrace(chained)
+            return local
+        key = id(frame.f_code)
+        if key in watched:
+            traced = local
+            for recording in recordings:
+                function = recording.functions.get(key)
+                if function is not None and recording.depth:
+                    traced = TracedCall(recording, function, traced)
+                    recording.running[traced] = traced
+            if traced is not local:
+                # A tracer that does not measure this file (coverage.py) turns its line
+                # events off; the profiler needs them.
+                frame.f_trace_lines = True
+                return traced
         return local
 
     return hook
 
 
+_lock = threading.Lock()
+"""Guards the making and the end of :data:`_active`, and its threads."""
+
+
 class Settrace:
-    """Installs the trace hooks of one profiler: in each thread that enables it, and,
-    through ``threading.settrace``, in threads started while it is enabled. Leaving puts
-    back the tracer that was there before, where ours is still the one installed."""
+    """The trace hooks of every enabled profiler's recording: one in each thread that
+    enabled one, and, through ``threading.settrace``, one in each thread started while one
+    is enabled. Made by the first :meth:`join`, gone after the last :meth:`leave`."""
 
-    def __init__(self, recording: Recording) -> None:
-        self.recording = recording
-        self.hooks: dict[int, tuple[TraceFunction, TraceFunction]] = {}
-        """Thread -> (our hook there, the trace function it chains to)."""
-        self.chained = threading.gettrace()
-        self.thread_hook = _hook(recording, self.chained)
-        threading.settrace(self.thread_hook)
+    def __init__(self) -> None:
+        self.recordings: list[Recording] = []
+        self.watched: set[int] = set()
+        """``id()`` of every watched code object."""
+        self.threads: dict[int, ThreadTrace] = {}
+        self.thread_chained = threading.gettrace()
+        """The tracer for new threads that was there before ours."""
+        self.thread_hook = self._thread_hook()
 
-    def enter_thread(self) -> None:
-        """Profiling starts in this thread."""
-        chained = sys.gettrace()
-        hook = _hook(self.recording, chained)
-        self.hooks[threading.get_ident()] = hook, chained
-        sys.settrace(hook)
+    @classmethod
+    def join(cls, recording: Recording) -> TracedRecording:
+        """Trace the watched functions of `recording` from now on."""
+        global _active
+        with _lock:
+            if _active is None:
+                _active = cls()
+                threading.settrace(_active.thread_hook)
+            _active.recordings.append(recording)
+            _active.update()
+            return TracedRecording(_active, recording)
 
-    def leave_thread(self) -> None:
-        """Profiling stops in this thread."""
-        hook, chained = self.hooks.pop(threading.get_ident(), (None, None))
-        if hook is not None and sys.gettrace() is hook:
-            sys.settrace(chained)
+    def leave(self, recording: Recording) -> None:
+        global _active
+        with _lock:
+            if recording in self.recordings:
+                self.recordings.remove(recording)
+            self.update()
+            if self.recordings or _active is not self:
+                return
+            _active = None
+            if threading.gettrace() is self.thread_hook:
+                threading.settrace(self.thread_chained)
+            # Hooks left in threads started meanwhile step aside at their next call.
 
     def update(self) -> None:
-        """The watched functions changed: the hooks look them up on every call anyway."""
+        """The watched functions changed."""
+        watched = {key for r in self.recordings for key in r.functions}
+        self.watched.intersection_update(watched)
+        self.watched.update(watched)
+
+    def enter_thread(self) -> None:
+        """A profiler starts in this thread: our hook goes in front of its tracer."""
+        ident = threading.get_ident()
+        with _lock:
+            thread = self.threads.get(ident)
+            if thread is None or sys.gettrace() is not thread.hook:
+                # A thread that reused a dead one's id, or one whose hook was replaced.
+                thread = self.threads[ident] = ThreadTrace(self, sys.gettrace(), False)
+                sys.settrace(thread.hook)
+            thread.entered += 1
+
+    def leave_thread(self) -> None:
+        """A profiler stops in this thread: after the last one, the tracer that was there
+        before is back, where ours is still the one installed."""
+        ident = threading.get_ident()
+        with _lock:
+            thread = self.threads.get(ident)
+            if thread is None or thread.entered == 0:
+                return
+            thread.entered -= 1
+            if thread.entered or thread.started:
+                return
+            del self.threads[ident]
+            if sys.gettrace() is thread.hook:
+                sys.settrace(thread.chained)
+
+    def _thread_hook(self) -> TraceFunction:
+        """The trace function ``threading`` installs in each new thread: it puts that
+        thread's own hook in its place, and hands it the first event."""
+
+        def start_thread(frame: types.FrameType, event: str, arg: Any) -> Any:
+            thread = ThreadTrace(self, self.thread_chained, True)
+            self.threads[threading.get_ident()] = thread
+            sys.settrace(thread.hook)
+            return thread.hook(frame, event, arg)
+
+        return start_thread
+
+
+_active: Settrace | None = None
+
+
+class TracedRecording:
+    """One recording's membership of the process's :class:`Settrace`: the
+    :class:`~torchmem.lines.recording.Backend` its profiler drives."""
+
+    def __init__(self, tracer: Settrace, recording: Recording) -> None:
+        self.tracer = tracer
+        self.recording = recording
+
+    def enter_thread(self) -> None:
+        self.tracer.enter_thread()
+
+    def leave_thread(self) -> None:
+        self.tracer.leave_thread()
+
+    def update(self) -> None:
+        self.tracer.update()
 
     def stop(self) -> None:
-        """Profiling stops everywhere: threads started from now on are not traced."""
-        if threading.gettrace() is self.thread_hook:
-            threading.settrace(self.chained)
+        self.tracer.leave(self.recording)

@@ -66,8 +66,8 @@ def resolve_device(device: DeviceLike | None = None) -> torch.device:
     where CUDA is available, else ``cpu`` (CPU tensors). An index-less ``"cuda"`` or
     ``"xpu"`` is that backend's current device, and an index must be one of the devices
     the backend shows (under ``CUDA_VISIBLE_DEVICES``, the visible ones). ``"mps"`` is
-    ``mps:0`` where MPS is available. ``"cpu"``, ``"meta"`` and other device types come
-    back as parsed.
+    ``mps:0`` where MPS is available. ``"cpu:0"`` is ``"cpu"``, as PyTorch's tensors
+    report it. ``"meta"`` and other device types come back as parsed.
 
     Raises:
         ValueError: naming the value, if it is not a device, its backend is not available
@@ -93,4 +93,9 @@ def resolve_device(device: DeviceLike | None = None) -> torch.device:
         if parsed.index not in (None, 0):
             raise ValueError(f"no device {device!r}: there is one MPS device, mps:0")
         return torch.device("mps", 0)
+    if parsed.type == "cpu":
+        # PyTorch puts a tensor made on cpu:0 on cpu, and has no other CPU device.
+        if parsed.index not in (None, 0):
+            raise ValueError(f"no device {device!r}: there is one CPU device, cpu (or cpu:0)")
+        return torch.device("cpu")
     return parsed

@@ -9,14 +9,36 @@ Most pools have a single peak counter that can only be reset as a whole (CUDA's
 many windows as needed: before every reset, the counter's value is folded into each
 open window, so a window's peak is the maximum of what was folded into it and what the
 counter has seen since the last reset.
+
+A meter holds its open windows weakly: a window dropped without :meth:`Window.close`
+warns (``ResourceWarning``, as an unclosed file does) and gives back what it held. In a
+child made by ``os.fork``, which has only the thread that forked, every meter starts with
+a free lock and forgets the other threads.
 """
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
+import warnings
+import weakref
+from collections.abc import Callable
 from types import TracebackType
 
+from torchmem._compat import lock_is_owned
 from torchmem.errors import TorchmemError
+
+GONE = -1
+"""The :attr:`WindowRef.thread` of a window whose thread does not exist in this process
+(a child made by fork): no thread ident is negative."""
+
+
+class WindowRef(weakref.ref["Window"]):
+    """A meter's weak reference to one of its open windows, with the thread that opened it."""
+
+    __slots__ = ("thread",)
+    thread: int
 
 
 class Meter:
@@ -37,7 +59,13 @@ class Meter:
 
     def __init__(self) -> None:
         self._lock = threading.RLock()
-        self._windows: list[Window] = []
+        self._windows: dict[int, WindowRef] = {}
+        """The open windows, by the id of their reference."""
+        self._dropped: list[WindowRef] = []
+        # A window that dies appends its reference here from C, where no KeyboardInterrupt
+        # can land; see _collect.
+        self._on_dropped = self._dropped.append
+        _remember(self)
 
     def used(self) -> int:
         """Bytes in use in this pool now."""
@@ -46,12 +74,20 @@ class Meter:
     def window(self) -> Window:
         """Open a peak window here. Close it (or use it as a context manager) when done."""
         with self._lock:
+            self._collect()
             self._fold()
             window = Window(self)
-            self._on_open(window)
-            self._reset_peaks()
-            window._begin(self.used())
-            self._windows.append(window)
+            ref = WindowRef(window, self._on_dropped)
+            ref.thread = threading.get_ident()
+            self._on_open(ref)
+            try:
+                self._reset_peaks()
+                window._begin(self.used())
+                self._windows[id(ref)] = ref
+            except BaseException:  # an error or an interrupt: give back what it took
+                self._on_close(ref)
+                raise
+            window._ref = ref
         return window
 
     # The peak counter, for subclasses -------------------------------------------------
@@ -64,34 +100,80 @@ class Meter:
         """Restart the peak counter at the current values."""
         raise NotImplementedError
 
-    def _on_open(self, window: Window) -> None:
+    def _on_open(self, ref: WindowRef) -> None:
         """Called, under the meter's lock, before each window starts."""
 
-    def _on_close(self, window: Window) -> None:
-        """Called after each window closes, outside the meter's lock."""
+    def _closing(self, ref: WindowRef) -> None:
+        """Called, under the meter's lock, before a window closes (not one dropped open)."""
+
+    def _on_close(self, ref: WindowRef, dropped: bool = False) -> None:
+        """Called after each window closes, or is `dropped` open, in any thread, with or
+        without the meter's lock held. A dropped window is released by a finalizer, which
+        a garbage collection can run anywhere, inside PyTorch's dispatcher too: leave this
+        thread's dispatch-mode stack alone then."""
+
+    def _after_fork(self) -> None:
+        """In a child made by fork: only the thread that forked exists. A lock another
+        thread held at the fork stays held in the child: make a new one."""
+        if not lock_is_owned(self._lock):  # held by the forking thread, which releases it
+            self._lock = threading.RLock()
+        me = threading.get_ident()
+        for ref in self._windows.values():
+            if ref.thread != me:
+                ref.thread = GONE
 
     # The registry -------------------------------------------------------------------
 
     def _fold(self) -> None:
         if self._windows:
             peaks = self._peaks()
-            for window in self._windows:
-                window._fold(peaks)
+            for ref in self._windows.values():
+                window = ref()
+                if window is not None:
+                    window._fold(peaks)
+
+    def _collect(self) -> None:
+        """Release what the windows dropped open held, where :meth:`Window.__del__` could
+        not (another step of the meter was running); with the lock held."""
+        dropped = self._dropped
+        while dropped:
+            ref = dropped.pop()
+            if self._windows.pop(id(ref), None) is ref:
+                self._on_close(ref, dropped=True)
+
+    def _drop(self, ref: WindowRef) -> bool:
+        """Release what a window dropped open held, unless a step of the meter is running
+        (this thread's, which a garbage collection interrupted, or another's): False then,
+        and :meth:`_collect` does it at the next step."""
+        if lock_is_owned(self._lock) or not self._lock.acquire(blocking=False):
+            return False
+        try:
+            if self._windows.pop(id(ref), None) is ref:
+                self._on_close(ref, dropped=True)
+        finally:
+            self._lock.release()
+        return True
 
     def _restart(self, window: Window) -> None:
         with self._lock:
+            self._collect()
             self._fold()
             self._reset_peaks()
             window._begin(self.used())
 
     def _close(self, window: Window) -> None:
         with self._lock:
-            if window._final is not None:
+            self._collect()
+            ref = window._ref
+            if window._final is not None or ref is None:
                 return
+            key = id(ref)
+            self._closing(ref)
             window._fold(self._peaks())
             window._final = window._folded
-            self._windows.remove(window)
-        self._on_close(window)
+            del self._windows[key]
+            window._ref = None  # so that its death reports nothing
+        self._on_close(ref)
 
     def counters(self) -> dict[str, int]:
         """This pool's current values (``"<stat>.current"``) and, where the pool keeps them,
@@ -104,6 +186,7 @@ class Meter:
     def _lap(self, window: Window) -> tuple[dict[str, int], dict[str, int]]:
         """Restart `window`; return its peaks until now and :meth:`counters` at the restart."""
         with self._lock:
+            self._collect()
             self._fold()
             peaks = window._folded
             self._reset_peaks()
@@ -113,6 +196,7 @@ class Meter:
 
     def _window_peaks(self, window: Window) -> dict[str, int]:
         with self._lock:
+            self._collect()
             if window._final is not None:
                 return window._final
             peaks = dict(window._folded)
@@ -128,7 +212,11 @@ class Window:
     """A peak window: the exact highest memory use of one meter since it opened.
 
     Obtained from :meth:`Meter.window`. Use it as a context manager, or call
-    :meth:`close`; after closing, :meth:`peak` keeps returning the final value.
+    :meth:`close` (from any thread); after closing, :meth:`peak` keeps returning the final
+    value. One garbage-collected while open warns with ``ResourceWarning``, as an unclosed
+    file does, and gives back what it held: a sampling thread stops, a tensor meter stops
+    counting at once and its dispatch mode leaves the thread's stack the next time that
+    thread uses the meter.
     """
 
     def __init__(self, meter: Meter) -> None:
@@ -138,6 +226,7 @@ class Window:
         """Bytes in use (the meter's default stat) when the window opened or last restarted."""
         self._folded: dict[str, int] = {}
         self._final: dict[str, int] | None = None
+        self._ref: WindowRef | None = None
 
     def _begin(self, used: int) -> None:
         self.start = used
@@ -215,6 +304,27 @@ class Window:
         state = "closed" if self.closed else "open"
         return f"<Window on {self.meter!r}, {state}, start={self.start}>"
 
+    def __del__(
+        self,
+        _warn: Callable[..., None] = warnings.warn,
+        _finalizing: Callable[[], bool] = sys.is_finalizing,
+    ) -> None:
+        # Defaults bind what is needed: at interpreter exit, module globals may be gone.
+        ref = getattr(self, "_ref", None)
+        if ref is None or self._final is not None or _finalizing():
+            return
+        try:
+            if ref.thread != GONE:  # not another thread's, left behind by a fork
+                _warn(
+                    f"Window on {self.meter!r} was never closed: close() it, or open it in"
+                    " a with statement",
+                    ResourceWarning,
+                    source=self,
+                )
+        finally:
+            if self.meter._drop(ref):
+                self._ref = None  # released: its death reports nothing
+
 
 class SampledMeter(Meter):
     """A meter whose pool has no peak counter: a thread samples :meth:`used` while any
@@ -253,7 +363,13 @@ class SampledMeter(Meter):
         while not stop.wait(self.interval):
             self._sample()
 
-    def _on_open(self, window: Window) -> None:
+    def _after_fork(self) -> None:
+        super()._after_fork()
+        # The sampling thread is not in the child: the next window opened there starts one.
+        self._sampler = None
+        self._stop_sampling = threading.Event()
+
+    def _on_open(self, ref: WindowRef) -> None:
         if self._sampler is None:
             self._stop_sampling = threading.Event()
             self._sampler = threading.Thread(
@@ -264,11 +380,34 @@ class SampledMeter(Meter):
             )
             self._sampler.start()
 
-    def _on_close(self, window: Window) -> None:
+    def _on_close(self, ref: WindowRef, dropped: bool = False) -> None:
         with self._lock:
             if self._windows or self._sampler is None:
                 return
             sampler, self._sampler = self._sampler, None
             self._stop_sampling.set()
-        if sampler is not threading.current_thread():
+        # Under the lock (a window dropped open, released by a step) the sampler may be
+        # waiting for it: it sees the event and ends by itself.
+        if sampler is not threading.current_thread() and not lock_is_owned(self._lock):
             sampler.join()
+
+
+_made: list[weakref.ref[Meter]] = []
+"""Every meter made in this process, weakly (no callback: nothing runs when one dies)."""
+
+
+def _remember(meter: Meter) -> None:
+    if len(_made) >= 64 and len(_made) & (len(_made) - 1) == 0:  # at each power of two
+        _made[:] = [ref for ref in _made if ref() is not None]
+    _made.append(weakref.ref(meter))
+
+
+def _after_fork_in_child() -> None:
+    for ref in _made:
+        meter = ref()
+        if meter is not None:
+            meter._after_fork()
+
+
+if hasattr(os, "register_at_fork"):  # not on Windows, which has no fork
+    os.register_at_fork(after_in_child=_after_fork_in_child)

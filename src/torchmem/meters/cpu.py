@@ -29,7 +29,7 @@ import torch
 from torchmem._compat import storage_key
 from torchmem.errors import TorchmemWarning
 from torchmem.meters import native
-from torchmem.meters.base import Meter, Window
+from torchmem.meters.base import Meter, WindowRef
 from torchmem.meters.tensor import TensorMeter, storages_of
 
 BACKENDS = ("allocator", "dispatch")
@@ -102,24 +102,22 @@ class CpuDispatchMeter(TensorMeter):
                 self._adopt_live()
         return super().counters()
 
-    def _on_open(self, window: Window) -> None:
-        if threading.get_ident() not in self._modes:
+    def _on_open(self, ref: WindowRef) -> None:
+        if ref.thread not in self._modes:
             self._adopt_live()
-        super()._on_open(window)
+        super()._on_open(ref)
 
-    def _close(self, window: Window) -> None:
-        with self._lock:
-            thread = self._owners.get(id(window))
-            if thread == threading.get_ident() and self._modes[thread].windows == 1:
-                self._adopt_live()
-            super()._close(window)
+    def _closing(self, ref: WindowRef) -> None:
+        mode = self._modes.get(ref.thread)
+        if ref.thread == threading.get_ident() and mode is not None and mode.windows == 1:
+            self._adopt_live()
+        super()._closing(ref)
 
     def _adopt_live(self) -> None:
         """Count what the dispatch mode did not see; with the lock held."""
-        live = self._live
         for storage in live_storages():
             key = storage_key(storage)
-            ref = live.get(key)
+            ref = self._counted(key)
             if ref is None and not storage.resizable():
                 continue  # borrowed (from_numpy, mmap), or torch.load's, seen by the mode
             # Shared memory (share_memory_ moves a storage there) is not the allocator's.

@@ -6,7 +6,7 @@ import sys
 
 import psutil
 
-from torchmem.meters.base import SampledMeter, Window
+from torchmem.meters.base import SampledMeter, WindowRef
 
 CLEAR_REFS = "/proc/self/clear_refs"
 STATUS = "/proc/self/status"
@@ -47,13 +47,13 @@ class RamMeter(SampledMeter):
         else:
             super()._reset_peaks()
 
-    def _on_open(self, window: Window) -> None:
+    def _on_open(self, ref: WindowRef) -> None:
         if not self.exact:
-            super()._on_open(window)
+            super()._on_open(ref)
 
-    def _on_close(self, window: Window) -> None:
+    def _on_close(self, ref: WindowRef, dropped: bool = False) -> None:
         if not self.exact:
-            super()._on_close(window)
+            super()._on_close(ref, dropped)
 
 
 def _clear_refs() -> bool:

@@ -3,11 +3,14 @@
 While a window is open, a ``TorchDispatchMode`` sees every operator that runs in that
 thread (and in autograd's worker threads, which inherit it). Each storage an operator
 creates on the watched device is counted once, with its ``nbytes``; a weak reference on
-the storage takes the bytes off when the last tensor using it dies. Views and in-place
-operators create no storage, so they cost nothing; a storage that an operator resizes
-(``resize_``, ``out=``) counts its growth. Composite operators (``F.cross_entropy``,
-``F.normalize``) reach the mode as the operators they are made of, so a temporary freed
-inside one call still shows in the peak.
+the storage takes the bytes off when the last tensor using it dies. Both only append to a
+log, which the meter folds into its totals in one step that a Ctrl-C cannot split; the
+weak reference's callback is the log's own ``append``, so no Python code runs when a
+storage dies, and a Ctrl-C then reaches the user's code instead of being lost in a
+callback. Views and in-place operators create no storage, so they cost nothing; a storage
+that an operator resizes (``resize_``, ``out=``) counts its growth. Composite operators
+(``F.cross_entropy``, ``F.normalize``) reach the mode as the operators they are made of,
+so a temporary freed inside one call still shows in the peak.
 
 Memory an operator's kernel allocates for itself without creating a tensor (scratch
 space, cuDNN workspaces) and memory borrowed from elsewhere (``torch.from_numpy``,
@@ -36,7 +39,7 @@ from torchmem._compat import (
     push_mode,
     storage_key,
 )
-from torchmem.meters.base import Meter, Window
+from torchmem.meters.base import Meter, Window, WindowRef
 from torchmem.resolve import DeviceLike, parse_device, resolve_device
 
 _LIFT_FRESH = torch.ops.aten.lift_fresh.default
@@ -63,7 +66,10 @@ class TensorMeter(Meter):
     deterministic on a machine without a GPU.
 
     Only threads with an open window of this meter (and the autograd threads they start)
-    are watched: open and close a window on the same thread.
+    are watched. A window closed from another thread, or dropped without closing, stops
+    the counting at once; its dispatch mode leaves the opening thread's stack the next
+    time that thread uses the meter (only its own thread can take it off, and only
+    where PyTorch is not dispatching).
 
     Args:
         device: the device whose tensors are counted; an index-less ``"cuda"`` means the
@@ -84,20 +90,23 @@ class TensorMeter(Meter):
         self._peak = 0
         self._allocated_total = 0
         self._freed_total = 0
+        # Counted storages by key; a dead one stays until the next fold (its key may be
+        # another's by then: check the reference is alive).
         self._live: dict[int, _Ref] = {}
-        self._log: list[int] = []
-        self._on_freed = self._freed  # one bound method, shared by every weak reference
+        self._log: list[int | _Ref] = []  # bytes counted, or a counted storage that died
+        self._on_freed = self._log.append  # one bound method, shared by every weak reference
         self._modes: dict[int, _WatchMode] = {}
-        self._owners: dict[int, int] = {}
         self._stale: dict[int, list[_WatchMode]] = {}
 
     def used(self) -> int:
         self._settle()
+        self._drop_stale()
         return self._used
 
     def counters(self) -> dict[str, int]:
         if lock_is_owned(self._lock):  # inside a step of the meter, which folded the log
             return self._counters()
+        self._drop_stale()
         with self._lock:
             self._fold_log()
             return self._counters()
@@ -119,11 +128,13 @@ class TensorMeter(Meter):
     # other threads log meanwhile waits for the next step, as they once waited for the lock.
 
     def window(self) -> Window:
+        self._drop_stale()
         with self._lock:
             self._fold_log()
             return super().window()
 
     def _restart(self, window: Window) -> None:
+        self._drop_stale()
         with self._lock:
             self._fold_log()
             super()._restart(window)
@@ -132,66 +143,81 @@ class TensorMeter(Meter):
         with self._lock:
             self._fold_log()
             super()._close(window)
+        self._drop_stale()
 
     def _lap(self, window: Window) -> tuple[dict[str, int], dict[str, int]]:
+        self._drop_stale()
         with self._lock:
             self._fold_log()
             return super()._lap(window)
 
     def _window_peaks(self, window: Window) -> dict[str, int]:
+        self._drop_stale()
         with self._lock:
             self._fold_log()
             return super()._window_peaks(window)
 
+    def _after_fork(self) -> None:
+        super()._after_fork()
+        # The other threads, and their dispatch-mode stacks, are not in the child.
+        me = threading.get_ident()
+        self._modes = {me: self._modes[me]} if me in self._modes else {}
+        self._stale = {me: self._stale[me]} if me in self._stale else {}
+
     # Watching: one dispatch mode per thread with open windows --------------------------
 
-    def _on_open(self, window: Window) -> None:
-        thread = threading.get_ident()
-        self._owners[id(window)] = thread
-        for stale in self._stale.pop(thread, ()):
-            _remove(stale)
+    def _on_open(self, ref: WindowRef) -> None:
+        thread = ref.thread
         mode = self._modes.get(thread)
         if mode is None:
             mode = self._modes[thread] = _WatchMode(self)
             mode.__enter__()
         mode.windows += 1
 
-    def _on_close(self, window: Window) -> None:
+    def _on_close(self, ref: WindowRef, dropped: bool = False) -> None:
         with self._lock:
-            thread = self._owners.pop(id(window))
-            mode = self._modes[thread]
+            thread = ref.thread
+            mode = self._modes.get(thread)
+            if mode is None:  # its thread is not in this process (a child made by fork)
+                return
             mode.windows -= 1
             if mode.windows:
                 return
             del self._modes[thread]
             mode.active = False
-            if thread != threading.get_ident():
-                # Only its own thread can take it off its stack: it stays there, inactive,
-                # until that thread next opens a window here.
+            if dropped or thread != threading.get_ident() or not _remove(mode):
+                # Only its own thread can take it off its stack, and only where PyTorch is
+                # not dispatching (a garbage collection inside an operator is): it stays
+                # there, inactive, until that thread next uses the meter.
                 self._stale.setdefault(thread, []).append(mode)
-                return
-        _remove(mode)
+
+    def _drop_stale(self) -> None:
+        """Take this thread's inactive modes off its dispatch-mode stack."""
+        if self._stale:
+            for mode in self._stale.pop(threading.get_ident(), ()):
+                _remove(mode)
 
     # Counting ----------------------------------------------------------------------
+
+    def _counted(self, key: int) -> _Ref | None:
+        """The reference of the live counted storage with `key`, if there is one."""
+        ref = self._live.get(key)
+        return None if ref is None or ref() is None else ref
 
     def _count(self, storage: torch.UntypedStorage, nbytes: int) -> None:
         """Count `nbytes` more on `storage`, and take them off when it dies."""
         key = storage_key(storage)
         ref = self._live.get(key)
-        if ref is None:
+        if ref is None or ref() is None:
             ref = _Ref(storage, self._on_freed)
             ref.key = key
             ref.nbytes = nbytes
             self._live[key] = ref
         else:
             ref.nbytes += nbytes
+        # No call or loop between the counting above and this append: a KeyboardInterrupt
+        # (raised only at those) cannot leave one without the other.
         self._log.append(nbytes)
-        if len(self._log) > self._log_limit:
-            self._settle()
-
-    def _freed(self, ref: _Ref) -> None:
-        self._live.pop(ref.key, None)
-        self._log.append(-ref.nbytes)
         if len(self._log) > self._log_limit:
             self._settle()
 
@@ -201,28 +227,45 @@ class TensorMeter(Meter):
         if not lock_is_owned(self._lock):
             with self._lock:
                 self._fold_log()
+                self._collect()
 
     def _fold_log(self) -> None:
         """Fold the changes logged since the last call into the counters, in order; with
         the lock held.
 
-        Counting and freeing only append to the log (one atomic step, in any thread, also
-        from inside a weakref callback), so neither needs the lock. A storage freed while
-        this runs (a garbage collection can start at any allocation) is appended after
-        the changes taken here, and folded next time."""
+        Counting and freeing only append to the log (one atomic step, in any thread; a
+        counted storage's weak reference appends itself when the storage dies), so neither
+        needs the lock. A storage freed while this runs (a garbage collection can start at
+        any allocation) is appended after the changes taken here, and folded next time.
+
+        Everything is computed first; then the counters and the log change in plain
+        stores, with no call or loop between them: a KeyboardInterrupt (raised only at
+        those) or a fork leaves either all of it done or none of it."""
         log = self._log
         n = len(log)
         if not n:
             return
-        changes = log[:n]
-        del log[:n]
+        entries = log[:n]
+        changes = [-e.nbytes if isinstance(e, _Ref) else e for e in entries]
+        live = self._live
+        for entry in entries:
+            if type(entry) is _Ref:
+                key = entry.key
+                # No call between test and deletion: no thread counting a new storage
+                # at this key, nor an interrupt, can come in between.
+                if key in live and live[key] is entry:
+                    del live[key]
         used = list(itertools.accumulate(changes, initial=self._used))
         net = used[-1] - used[0]
         moved = sum(map(abs, changes))
-        self._used = used[-1]
-        self._peak = max(self._peak, max(used))
-        self._allocated_total += (moved + net) // 2
-        self._freed_total += (moved - net) // 2
+        now, peak = used[-1], max(self._peak, max(used))
+        allocated = self._allocated_total + (moved + net) // 2
+        freed = self._freed_total + (moved - net) // 2
+        self._used = now
+        self._peak = peak
+        self._allocated_total = allocated
+        self._freed_total = freed
+        del log[:n]
 
     def _created(self, tensor: torch.Tensor, owned_only: bool = False) -> None:
         """An operator returned `tensor` in a storage of its own: count it if new here."""
@@ -233,7 +276,7 @@ class TensorMeter(Meter):
         else:
             storages = storages_of(tensor)
         for storage in storages:
-            if storage_key(storage) in self._live or (owned_only and not storage.resizable()):
+            if self._counted(storage_key(storage)) or (owned_only and not storage.resizable()):
                 continue
             nbytes = storage.nbytes()
             if nbytes:
@@ -315,7 +358,8 @@ class _WatchMode(DispatchMode):
                 meter._returned(fresh, out, args)
             elif out.device == meter._device:
                 storage = out.untyped_storage()
-                if storage_key(storage) in meter._live:
+                ref = meter._live.get(storage_key(storage))
+                if ref is not None and ref() is not None:  # counted, and alive
                     return out
                 for arg in args:
                     if arg is out:
@@ -423,30 +467,33 @@ def _with_index(device: DeviceLike) -> torch.device:
         return resolve_device(device)
     except ValueError:
         parsed = parse_device(device)
-        if parsed.index is not None or parsed.type in ("cpu", "meta"):
+        if parsed.type == "cpu":  # cpu:1: no such device, even for fake tensors
+            raise
+        if parsed.index is not None or parsed.type == "meta":
             return parsed
         return torch.device(parsed.type, 0)
 
 
-def _remove(mode: _WatchMode) -> None:
-    """Take `mode` off this thread's dispatch-mode stack, wherever it is in it."""
+def _remove(mode: _WatchMode) -> bool:
+    """Take `mode` off this thread's dispatch-mode stack, wherever it is in it; False if it
+    is not there (or, while it handles an operator, not there for now)."""
     stack = dispatch_mode_stack()
     if not any(m is mode for m in stack):
-        return
+        return False
     if stack[-1] is mode:
         mode.__exit__(None, None, None)
-        return
+        return True
     # Modes the user entered after ours stay, in their order.
     above = []
     while (top := pop_mode()) is not mode:
         above.append(top)
     for other in reversed(above):
         push_mode(other)
+    return True
 
 
-# __torch_dispatch__ runs inside compiled code (a compiled function's operators reach it),
-# and _freed whenever a storage dies, compiled code included.
-if not keep_dynamo_out(_WatchMode.__torch_dispatch__, TensorMeter._freed):
+# __torch_dispatch__ runs inside compiled code (a compiled function's operators reach it).
+if not keep_dynamo_out(_WatchMode.__torch_dispatch__):
     _WatchMode.__torch_dispatch__ = disable_dynamo(  # type: ignore[method-assign]
         _WatchMode.__dict__["__torch_dispatch__"]
     )

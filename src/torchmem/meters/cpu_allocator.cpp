@@ -18,6 +18,9 @@
 
 #ifdef TORCHMEM_PYTHON
 #include <Python.h>  // first, as Python asks
+#if PY_VERSION_HEX < 0x030B0000
+#include <frameobject.h>  // PyFrame_GetLineNumber: in Python.h from 3.11 on
+#endif
 #endif
 
 #include <c10/core/Allocator.h>

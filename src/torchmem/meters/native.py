@@ -176,11 +176,14 @@ def build(force: bool = False) -> Path:
     python = Path(sysconfig.get_paths()["include"])
     # Without Python's headers the allocator still counts; it records no sites.
     sites = [f"-I{python}", "-DTORCHMEM_PYTHON"] if (python / "Python.h").exists() else []
+    # PyTorch's headers need C++20 from 2.14 on, C++17 before.
+    release = tuple(int(part) for part in torch.__version__.split(".")[:2])
+    standard = "-std=c++20" if release >= (2, 14) else "-std=c++17"
     command = [
         *cxx,
         *sites,
         "-O2",
-        "-std=c++17",
+        standard,
         "-shared",
         "-fPIC",
         f"-D_GLIBCXX_USE_CXX11_ABI={abi}",

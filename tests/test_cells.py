@@ -361,6 +361,49 @@ def test_seed_name_and_defaults():
     assert (logger.compact, logger.gc_collect, logger.running) == (False, True, False)
 
 
+@pytest.mark.parametrize(
+    ("shell", "named"),
+    [
+        (3, "3 (int)"),
+        ("ipython", "'ipython' (str)"),
+        (InteractiveShell, "<class 'IPyth...ractiveShell'> (MetaHasTraits)"),  # not an instance
+    ],
+)
+def test_a_shell_that_is_not_one_is_a_type_error_at_once(shell, named):
+    with pytest.raises(TypeError) as raised:
+        CellLogger(shell=shell)
+    assert str(raised.value) == (
+        f"shell must be an IPython shell (get_ipython()) or None, not {named}"
+    )
+
+
+def test_without_ipython_starting_says_which_extra_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "IPython", None)  # import IPython fails
+    logger = IPyGPULogger()
+    with pytest.raises(ImportError) as raised:
+        logger.start()
+    assert str(raised.value) == (
+        'CellLogger.start() without a shell needs IPython: pip install "torchmem[notebook]"'
+    )
+    assert not logger.running
+
+
+def test_without_matplotlib_plot_says_which_extra_to_install(ipython, logger, capsys, monkeypatch):
+    logger.start()
+    run(ipython, "x = 1", capsys)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib fails
+    with pytest.raises(ImportError) as raised:
+        logger.plot()
+    assert str(raised.value) == 'plot() needs matplotlib: pip install "torchmem[plot]"'
+
+
+def test_without_pandas_to_dataframe_says_what_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "pandas", None)
+    with pytest.raises(ImportError) as raised:
+        CellLogger().to_dataframe()
+    assert str(raised.value) == "to_dataframe() needs pandas: pip install pandas"
+
+
 def test_memlog_magic(ipython, logger, capsys):
     handle = register(ipython)
     assert register(ipython) is handle  # one logger per shell

@@ -136,6 +136,22 @@ def test_dump_profile_uses_the_chosen_columns(shell, tmp_path):
     )
 
 
+@pytest.mark.parametrize(
+    ("where", "problem"),
+    [
+        ("/nonexistent/x", "no directory /nonexistent"),
+        (".", "it is a directory"),
+    ],
+)
+def test_dump_profile_to_a_path_that_cannot_be_written_runs_nothing(
+    shell, capsys, tmp_path, monkeypatch, where, problem
+):
+    monkeypatch.chdir(tmp_path)
+    err = usage_error(shell, f"%mlrun -T {where} -f allocate ran = allocate()", capsys)
+    assert f"UsageError: -T {where}: cannot write the profile there: {problem}\n" in err
+    assert run(shell, "'ran' in dir()") is False  # the statement did not run
+
+
 def test_device_option(shell):
     base = alive()
     shown = run(shell, "%mlrun -d cpu -f allocate allocate()")

@@ -58,7 +58,7 @@ def test_after_backward_each_grad_appears_once_under_its_name(
         "bias                                                 (1024,)     4.00K\n"
         "bias.grad                                            (1024,)     4.00K\n"
         "Tensor0                                          (512, 1024)     2.00M\n"
-        "Tensor1                                                 (1,)     4.00B\n",
+        "Tensor1                                                   ()     4.00B\n",
         "Total Tensors: 2623489 \tUsed Memory: 10.01M",
     )
     reporter.report()
@@ -113,7 +113,7 @@ def test_optimizer_state_is_named_after_the_model(capsys: pytest.CaptureFixture[
         "cpu",
         "weight                                                (4, 4)    64.00B\n"
         "weight.grad                                           (4, 4)    64.00B\n"
-        "Adam.weight.step                                        (1,)     4.00B\n"
+        "Adam.weight.step                                          ()     4.00B\n"
         "Adam.weight.exp_avg                                   (4, 4)    64.00B\n"
         "Adam.weight.exp_avg_sq                                (4, 4)    64.00B\n",
         "Total Tensors: 65 \tUsed Memory: 260.00B",
@@ -132,7 +132,7 @@ def test_optimizer_without_a_model_uses_the_generated_names(
         "cpu",
         "Parameter0                                            (4, 4)    64.00B\n"
         "Parameter0.grad                                       (4, 4)    64.00B\n"
-        "Adam.Parameter0.step                                    (1,)     4.00B\n"
+        "Adam.Parameter0.step                                      ()     4.00B\n"
         "Adam.Parameter0.exp_avg                               (4, 4)    64.00B\n"
         "Adam.Parameter0.exp_avg_sq                            (4, 4)    64.00B\n",
         "Total Tensors: 65 \tUsed Memory: 260.00B",
@@ -163,6 +163,49 @@ def test_sparse_tensors_count_their_indices_and_values(
         "Tensor1                                               (3, 3)    68.00B\n"
         "Tensor2                                               (3, 3)    68.00B\n",
         "Total Tensors: 29 \tUsed Memory: 196.00B",
+    )
+
+
+@pytest.mark.filterwarnings("ignore:Sparse (CSR|CSC|BSR) tensor support is in beta")
+@pytest.mark.parametrize("inside_grad", [False, True], ids=["plain", "inside-torch.func.grad"])
+def test_sparse_tensors_count_their_parts_even_inside_torch_func_grad(
+    inside_grad: bool, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Inside torch.func.grad, reading a compressed sparse tensor's parts raised "Sparse CSR
+    # tensors do not have strides", and a COO tensor's parts came back without a storage.
+    index = torch.arange(3)
+    parts = {"size": (3, 3), "check_invariants": True}
+    csr = torch.sparse_csr_tensor(torch.arange(4), index.clone(), torch.ones(3), **parts)
+    csc = torch.sparse_csc_tensor(torch.arange(4), index.clone(), torch.ones(3), **parts)
+    bsr = torch.sparse_bsr_tensor(torch.arange(4), index.clone(), torch.ones(3, 1, 1), **parts)
+    coo = torch.sparse_coo_tensor(torch.stack([index, index]), torch.ones(3), **parts)
+    reporter = MemReporter(objects=only(csr, csc, bsr, coo))
+    seen = []
+
+    def loss(x: torch.Tensor) -> torch.Tensor:
+        seen.append(reporter.snapshot())
+        reporter.report()
+        return (x * x).sum()
+
+    if inside_grad:
+        assert torch.func.grad(loss)(torch.ones(3)).tolist() == [2.0, 2.0, 2.0]
+    else:
+        loss(torch.ones(3))
+    # CSR, CSC, BSR: 4 compressed and 3 plain int64 indices and 3 float32 values, 32 + 24
+    # + 12 bytes; COO: a (2, 3) int64 index and 3 float32 values, 48 + 12 bytes.
+    assert [(r.name, r.layout, r.numel, r.nbytes, r.note) for r in seen[0]] == [
+        ("Tensor0", "torch.sparse_csr", 10, 68, None),
+        ("Tensor1", "torch.sparse_csc", 10, 68, None),
+        ("Tensor2", "torch.sparse_bsr", 10, 68, None),
+        ("Tensor3", "torch.sparse_coo", 9, 60, None),
+    ]
+    assert capsys.readouterr().out == HEADER + block(
+        "cpu",
+        "Tensor0                                               (3, 3)    68.00B\n"
+        "Tensor1                                               (3, 3)    68.00B\n"
+        "Tensor2                                               (3, 3)    68.00B\n"
+        "Tensor3                                               (3, 3)    60.00B\n",
+        "Total Tensors: 39 \tUsed Memory: 264.00B",
     )
 
 
@@ -285,6 +328,141 @@ def test_names_are_fresh_in_each_report() -> None:
     del c
 
 
+def test_unnamed_tensors_are_numbered_in_the_order_printed_without_gaps(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # An empty view, a view and a tensor on a device not asked for took numbers that the
+    # report never printed: it showed Tensor1, Tensor3, Tensor5.
+    empty = torch.zeros(300)[:0]  # largest storage, first in the scan; no elements
+    whole = torch.zeros(256)
+    view = whole[:128]
+    other = torch.zeros(64)
+    elsewhere = torch.empty(32, device="meta")
+    scalar = torch.tensor(1.0)
+    reporter = MemReporter(objects=only(empty, whole, view, other, elsewhere, scalar))
+    reporter.report(device="cpu")
+    reporter.report(verbose=True, device="cpu")
+    rows = (
+        "Tensor0                                               (256,)     1.00K\n",
+        "Tensor1                                                (64,)   256.00B\n",
+        "Tensor2                                                   ()     4.00B\n",
+    )
+    view_row = "Tensor3(->Tensor0)                                    (128,)     0.00B\n"
+    total = "Total Tensors: 449 \tUsed Memory: 1.25K"
+    assert capsys.readouterr().out == (
+        HEADER
+        + block("cpu", "".join(rows), total)
+        + HEADER
+        + block("cpu", rows[0] + view_row + rows[1] + rows[2], total)
+    )
+    assert [(r.name, r.owner) for r in reporter.snapshot("cpu")] == [
+        ("Tensor0", None),
+        ("Tensor3", "Tensor0"),
+        ("Tensor1", None),
+        ("Tensor2", None),
+    ]
+
+
+def test_numbers_follow_the_devices_as_printed(capsys: pytest.CaptureFixture[str]) -> None:
+    # Largest first, the scan alternates devices; the report groups them, first seen first.
+    tensors = [
+        torch.empty(1024, device="meta"),
+        torch.zeros(512),
+        torch.empty(256, device="meta"),
+        torch.zeros(128),
+    ]
+    MemReporter(objects=only(*tensors)).report()
+    assert capsys.readouterr().out == HEADER + block(
+        "meta",
+        "Tensor0                                              (1024,)     0.00B\n"
+        "Tensor1                                               (256,)     0.00B\n",
+        "Total Tensors: 1280 \tUsed Memory: 0.00B",
+    ) + block(
+        "cpu",
+        "Tensor2                                               (512,)     2.00K\n"
+        "Tensor3                                               (128,)   512.00B\n",
+        "Total Tensors: 640 \tUsed Memory: 2.50K",
+    )
+
+
+def test_a_0_d_tensor_has_an_empty_size_as_in_its_record(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    scalar = torch.tensor(2.0, dtype=torch.float64)
+    reporter = MemReporter(objects=only(scalar))
+    reporter.report()
+    assert capsys.readouterr().out == HEADER + block(
+        "cpu",
+        "Tensor0                                                   ()     8.00B\n",
+        "Total Tensors: 1 \tUsed Memory: 8.00B",
+    )
+    (record,) = reporter.snapshot()
+    assert (record.shape, record.numel, record.nbytes) == ((), 1, 8)
+    assert "<td>()</td><td>torch.float64</td><td>8.00B</td>" in reporter.display()._repr_html_()
+
+
+class Hostile(torch.Tensor):
+    """A subclass whose __torch_function__ refuses everything, attribute reads included."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        raise RuntimeError("refused")
+
+
+class Unflattenable(torch.Tensor):
+    """A wrapper subclass that cannot give its inner tensors."""
+
+    @staticmethod
+    def __new__(cls, inner: torch.Tensor):
+        return torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype)
+
+    def __init__(self, inner: torch.Tensor) -> None:
+        self.inner = inner
+
+    def __tensor_flatten__(self):
+        raise RuntimeError("cannot flatten")
+
+    @staticmethod
+    def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
+        raise RuntimeError("cannot unflatten")
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise RuntimeError("refused")
+
+
+class Nowhere(torch.Tensor):
+    """A subclass that cannot say which device it is on."""
+
+    @property
+    def device(self):
+        raise RuntimeError("nowhere")
+
+
+def test_subclasses_that_refuse_to_be_read_are_counted_or_skipped(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    hostile = torch.zeros(4).as_subclass(Hostile)  # its own storage: counted exactly
+    unflattenable = Unflattenable(torch.zeros(5))  # listed, not counted
+    nowhere = torch.zeros(6).as_subclass(Nowhere)  # no device: not listed
+    plain = torch.zeros(2)
+    reporter = MemReporter(objects=only(hostile, unflattenable, nowhere, plain))
+    reporter.report()
+    assert capsys.readouterr().out == HEADER + block(
+        "cpu",
+        "Unflattenable0                                          (5,)         ?\n"
+        "Hostile1                                                (4,)    16.00B\n"
+        "Tensor2                                                 (2,)     8.00B\n",
+        "Total Tensors: 6 \tUsed Memory: 24.00B",
+        "Unflattenable0: not counted, unreadable: RuntimeError: cannot flatten\n",
+    )
+    assert [(r.name, r.kind, r.nbytes) for r in reporter.snapshot()] == [
+        ("Unflattenable0", "Unflattenable", 0),
+        ("Hostile1", "Hostile", 16),
+        ("Tensor2", "Tensor", 8),
+    ]
+
+
 def test_diff_lists_what_appeared_and_disappeared() -> None:
     kept, dropped = torch.zeros(16), torch.zeros(256)
     tensors = [kept, dropped]
@@ -358,7 +536,7 @@ def test_device_filter(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.M
     reporter.report(device="meta")
     assert capsys.readouterr().out == HEADER + block(
         "meta",
-        "Tensor1                                                 (4,)     0.00B\n",
+        "Tensor0                                                 (4,)     0.00B\n",
         "Total Tensors: 4 \tUsed Memory: 0.00B",
     )
     reporter.report(device="cuda")
@@ -459,7 +637,7 @@ def test_every_tensor_in_a_fresh_process() -> None:
         "bias                                                 (1024,)     4.00K\n"
         "bias.grad                                            (1024,)     4.00K\n"
         "Tensor0                                          (512, 1024)     2.00M\n"
-        "Tensor1                                                 (1,)     4.00B\n",
+        "Tensor1                                                   ()     4.00B\n",
         "Total Tensors: 2623489 \tUsed Memory: 10.01M",
     )
 

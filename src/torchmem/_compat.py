@@ -266,3 +266,35 @@ def _walk_frames(depth: int = 0) -> types.FrameType:
 
 getframe: Callable[[int], types.FrameType] = lookup("sys._getframe") or _walk_frames
 """The frame `depth` calls above the caller (``sys._getframe``, a CPython detail)."""
+
+# Reading tensors as they are ----------------------------------------------------------
+
+_DISABLE_FUNCTORCH = lookup("torch._C._DisableFuncTorch")
+_DISABLE_TORCH_FUNCTION = lookup("torch._C.DisableTorchFunctionSubclass")
+
+
+class PlainTensorAccess:
+    """A block (``with PlainTensorAccess(): ...``) in which reading a tensor's metadata and
+    storages runs no ``torch.func`` transform and no subclass's ``__torch_function__``:
+    inside ``torch.func.grad`` a sparse CSR tensor's ``crow_indices()`` raises "Sparse CSR
+    tensors do not have strides", and a subclass's ``__torch_function__`` may raise or do
+    anything. Where PyTorch lacks one of the two guards, that one is left out. One block
+    per instance."""
+
+    def __init__(self) -> None:
+        self._entered: list[Any] = []
+
+    def __enter__(self) -> None:
+        try:
+            for make in (_DISABLE_FUNCTORCH, _DISABLE_TORCH_FUNCTION):
+                if make is not None:
+                    guard = make()  # _DisableFuncTorch is on from here: RAII in C++
+                    guard.__enter__()
+                    self._entered.append(guard)
+        except BaseException:
+            self.__exit__()
+            raise
+
+    def __exit__(self, *exc_info: object) -> None:
+        while self._entered:
+            self._entered.pop().__exit__(None, None, None)

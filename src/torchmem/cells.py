@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import reprlib
 import time
 from types import TracebackType
 from typing import Any
 
-from torchmem.errors import TorchmemError
+from torchmem.errors import TorchmemError, require
 from torchmem.meters import DeviceMeter, Meter, Window, device_meter, meter
 from torchmem.records.cells import CellRecord, Data
 from torchmem.resolve import resolve_device
@@ -50,6 +51,7 @@ class CellLogger:
             the garbage collector does not count. Turn it off when looking for reference
             cycles that hold memory.
         shell: the IPython shell to log; default the running one (``get_ipython()``).
+            Anything without IPython's ``events.register`` is a TypeError.
 
     Use :meth:`start` and :meth:`stop` (each returns the logger, and both are harmless
     to repeat), or ``with CellLogger(): ...``. A cell that starts the logger is reported
@@ -58,6 +60,13 @@ class CellLogger:
     """
 
     def __init__(self, compact: bool = False, gc_collect: bool = True, shell: Any = None) -> None:
+        if shell is not None and not callable(
+            getattr(getattr(shell, "events", None), "register", None)
+        ):
+            raise TypeError(
+                "shell must be an IPython shell (get_ipython()) or None, not"
+                f" {reprlib.repr(shell)} ({type(shell).__name__})"
+            )
         self.compact = compact
         """Print one line per cell instead of three."""
         self.gc_collect = gc_collect
@@ -84,9 +93,8 @@ class CellLogger:
         if self._registered:
             return self
         if self.shell is None:
-            from IPython import get_ipython
-
-            self.shell = get_ipython()
+            ipython = require("IPython", "CellLogger.start() without a shell", "notebook")
+            self.shell = ipython.get_ipython()
             if self.shell is None:
                 raise TorchmemError(
                     "no IPython shell is running: start the cell logger in IPython or "

@@ -1,5 +1,10 @@
 """torchmem's exceptions."""
 
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
 
 class TorchmemError(Exception):
     """Base class of the errors torchmem raises itself."""
@@ -17,3 +22,16 @@ class CommandError(TorchmemError):
 class TorchmemWarning(UserWarning):
     """Something torchmem could not do as well as it would have liked (it says what it
     does instead)."""
+
+
+def require(module: str, feature: str, extra: str | None = None) -> ModuleType:
+    """Import optional dependency `module` (``"matplotlib.figure"``) for `feature`, or
+    raise an ImportError that says what to install: torchmem's `extra` where
+    ``pyproject.toml`` defines one (``pip install "torchmem[plot]"``), else the package."""
+    package = module.partition(".")[0]
+    try:
+        importlib.import_module(package)
+        return importlib.import_module(module)
+    except ImportError as exc:
+        how = f'pip install "torchmem[{extra}]"' if extra else f"pip install {package.lower()}"
+        raise ImportError(f"{feature} needs {package}: {how}") from exc

@@ -15,6 +15,7 @@ exceed the report's.
 from __future__ import annotations
 
 import gc
+import reprlib
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ from typing import Any, cast
 
 import torch
 
-from torchmem._compat import is_traceable_wrapper_subclass, storage_key
+from torchmem._compat import PlainTensorAccess, is_traceable_wrapper_subclass, storage_key
 from torchmem.meters.tensor import SPARSE_COMPONENTS
 from torchmem.records.tensors import TensorRecord
 from torchmem.resolve import DeviceLike, parse_device
@@ -135,6 +136,9 @@ class MemReporter:
         *,
         objects: Callable[[], Iterable[object]] | None = None,
     ) -> None:
+        _check(model, (torch.nn.Module, type(None)), "model must be a torch.nn.Module or None")
+        if objects is not None and not callable(objects):
+            raise TypeError(f"objects must be a function or None, not {reprlib.repr(objects)}")
         self.model = model
         self.pre_collect = pre_collect
         self.objects = gc.get_objects if objects is None else objects
@@ -143,7 +147,9 @@ class MemReporter:
     def add_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Name `optimizer`'s state tensors ``<OptimizerClass>.<param name>.<state key>``
         (``Adam.weight.exp_avg``); a parameter the model does not name gets its
-        generated name (``Adam.Parameter0.exp_avg``)."""
+        generated name (``Adam.Parameter0.exp_avg``). Anything but a
+        ``torch.optim.Optimizer`` is a TypeError."""
+        _check(optimizer, torch.optim.Optimizer, "optimizer must be a torch.optim.Optimizer")
         if not any(o is optimizer for o in self.optimizers):
             self.optimizers.append(optimizer)
 
@@ -198,34 +204,35 @@ class _Unsized(Exception):
 def _collect(reporter: MemReporter, device: DeviceLike | None) -> list[TensorRecord]:
     if reporter.pre_collect:
         gc.collect()
-    found = _Found()
-    model = reporter.model
-    if model is not None:
-        for named in (
-            model.named_parameters(remove_duplicate=False),
-            model.named_buffers(remove_duplicate=False),
-        ):
-            names: dict[int, tuple[torch.Tensor, list[str]]] = {}
-            for name, tensor in named:
-                names.setdefault(id(tensor), (tensor, []))[1].append(name)
-            for tensor, aliases in names.values():
-                found.add_with_grad(tensor, "+".join(aliases))
-    for optimizer in reporter.optimizers:
-        prefix = type(optimizer).__name__
-        for group in optimizer.param_groups:
-            for param in group["params"]:
-                name = found.add_with_grad(param, None)
-                for key, value in optimizer.state.get(param, {}).items():
-                    if isinstance(value, torch.Tensor):
-                        found.add(value, f"{prefix}.{name}.{key}")
-    others = tensors_in(reporter.objects())
-    # Largest first: the garbage collector's order changes with whatever ran before.
-    others.sort(key=_storage_bytes, reverse=True)
-    for tensor in others:
-        found.add(tensor, None)
-    del others
     wanted = None if device is None else parse_device(device)
-    return found.records(wanted)
+    others = tensors_in(reporter.objects())
+    found = _Found()
+    with PlainTensorAccess():
+        model = reporter.model
+        if model is not None:
+            for named in (
+                model.named_parameters(remove_duplicate=False),
+                model.named_buffers(remove_duplicate=False),
+            ):
+                names: dict[int, tuple[torch.Tensor, list[str]]] = {}
+                for name, tensor in named:
+                    names.setdefault(id(tensor), (tensor, []))[1].append(name)
+                for tensor, aliases in names.values():
+                    found.add_with_grad(tensor, ("+".join(aliases), None, ""))
+        for optimizer in reporter.optimizers:
+            kind = type(optimizer).__name__
+            for group in optimizer.param_groups:
+                for param in group["params"]:
+                    prefix, slot, suffix = found.add_with_grad(param, None)
+                    for key, value in optimizer.state.get(param, {}).items():
+                        if isinstance(value, torch.Tensor):
+                            found.add(value, (f"{kind}.{prefix}", slot, f"{suffix}.{key}"))
+        # Largest first: the garbage collector's order changes with whatever ran before.
+        others.sort(key=_storage_bytes, reverse=True)
+        for tensor in others:
+            found.add(tensor, None)
+        del others
+        return found.records(wanted)
 
 
 def tensors_in(objects: Iterable[object]) -> list[torch.Tensor]:
@@ -260,40 +267,59 @@ def _storage_bytes(tensor: torch.Tensor) -> int:
         return 0
 
 
+@dataclass(eq=False)
+class _Slot:
+    """A generated name (``Tensor3``), numbered once the report's order is known."""
+
+    kind: str
+    text: str = ""
+
+
+# A name as found: the text before its generated part, that part (None for a name the
+# model gave) and the text after it: ("Adam.", slot, ".exp_avg"). None for a name of its
+# own, Tensor<n>, shared with no other tensor.
+_Name = tuple[str, _Slot | None, str]
+
+
 class _Found:
-    """Tensors in report order, each once, with its name (None: generated later)."""
+    """Tensors in report order, each once, with its name (generated ones numbered last)."""
 
     def __init__(self) -> None:
         self.tensors: list[torch.Tensor] = []  # strong references: ids stay unique
-        self.names: dict[int, str] = {}
-        self.counter = 0
+        self.names: dict[int, _Name | None] = {}
 
-    def add(self, tensor: torch.Tensor, name: str | None) -> str:
-        known = self.names.get(id(tensor))
-        if known is not None:
-            return known
-        if name is None:
-            name = f"{type(tensor).__name__}{self.counter}"
-            self.counter += 1
-        self.tensors.append(tensor)
-        self.names[id(tensor)] = name
-        return name
+    def add(self, tensor: torch.Tensor, name: _Name | None) -> None:
+        if id(tensor) not in self.names:
+            self.tensors.append(tensor)
+            self.names[id(tensor)] = name
 
-    def add_with_grad(self, tensor: torch.Tensor, name: str | None) -> str:
-        name = self.add(tensor, name)
-        grad = tensor.grad
+    def add_with_grad(self, tensor: torch.Tensor, name: _Name | None) -> _Name:
+        self.add(tensor, name)
+        name = self.names[id(tensor)]
+        if name is None:  # generated, and shared with its gradient and optimizer state
+            name = self.names[id(tensor)] = ("", _Slot(type(tensor).__name__), "")
+        try:
+            grad = tensor.grad
+        except Exception:  # a subclass that cannot say: the scan still finds its gradient
+            grad = None
         if grad is not None:
-            self.add(grad, f"{name}.grad")
+            prefix, slot, suffix = name
+            self.add(grad, (prefix, slot, f"{suffix}.grad"))
         return name
 
     def records(self, wanted: torch.device | None) -> list[TensorRecord]:
-        owners: dict[int, str] = {}
-        records = []
+        """A record per tensor that holds elements, on `wanted` (None: every device),
+        grouped by device (first seen first) as the report prints them."""
+        owners: dict[int, int] = {}  # storage -> the record counted for it
+        records: list[TensorRecord] = []  # name and owner finished once all are made
+        kept: dict[str, list[int]] = {}  # device -> its records on `wanted`, in order
         texts: dict[object, str] = {}  # str() of each dtype and layout seen
         devices: dict[torch.device, tuple[str, str]] = {}  # device -> (str, type): slow
         for tensor in self.tensors:
-            name = self.names[id(tensor)]
-            device = tensor.device
+            try:
+                device = tensor.device
+            except Exception:  # a subclass that cannot say where it lives: nothing to count
+                continue
             text, kind = devices.get(device) or devices.setdefault(
                 device, (str(device), device.type)
             )
@@ -322,21 +348,28 @@ class _Found:
                     numel = _numel(tensor)
                 except _Unsized as exc:
                     storages, note = [], str(exc)
+                except Exception as exc:  # a part that cannot be read: count none of it
+                    storages, note = [], f"unreadable: {_first_line(exc)}"
             shared = []
             for key, size in storages:
                 if key in owners:
                     shared.append(owners[key])
                     continue
-                owners[key] = name
+                owners[key] = len(records)
                 nbytes += _bytes(size, kind)
             if shared and len(shared) == len(storages):
                 owner = shared[0]
-            if wanted is not None and not _matches(device, wanted):
-                continue
-            dtype, layout = tensor.dtype, tensor.layout
+            dtype: object
+            layout: object
+            try:
+                dtype, layout = tensor.dtype, tensor.layout
+            except Exception:  # a subclass's own property that raises
+                dtype = layout = "?"
+            if wanted is None or _matches(device, wanted):
+                (kept.get(text) or kept.setdefault(text, [])).append(len(records))
             records.append(
                 _record(
-                    name=name,
+                    name=self.names[id(tensor)],
                     device=text,
                     shape=shape,
                     dtype=texts.get(dtype) or texts.setdefault(dtype, str(dtype)),
@@ -344,12 +377,27 @@ class _Found:
                     kind=type(tensor).__name__,
                     numel=numel,
                     nbytes=nbytes,
-                    owner=owner,
+                    owner=owner,  # an index in records, until finished
                     note=note,
                     tensor=_weak(tensor),
                 )
             )
-        return records
+        order = [i for group in kept.values() for i in group]
+        # Number generated names in the order printed: first the records always printed,
+        # then those sharing a storage listed before them (verbose only): no gaps in either.
+        counter = 0
+        for i in sorted(order, key=lambda i: records[i].owner is not None):
+            fields = records[i].__dict__  # finishing the record: see _record
+            if fields["name"] is None:
+                fields["name"], counter = f"{fields['kind']}{counter}", counter + 1
+            else:
+                prefix, slot, suffix = fields["name"]
+                if slot is not None and not slot.text:
+                    slot.text, counter = f"{slot.kind}{counter}", counter + 1
+                fields["name"] = prefix + suffix if slot is None else prefix + slot.text + suffix
+            if fields["owner"] is not None:
+                fields["owner"] = records[fields["owner"]].name
+        return [records[i] for i in order]
 
 
 def _record(**fields: Any) -> TensorRecord:
@@ -389,8 +437,12 @@ def _storages(tensor: torch.Tensor) -> Iterable[tuple[int, int]]:
         storage = tensor.untyped_storage()
         yield storage_key(storage), storage.nbytes()
     except Exception as exc:  # mkldnn, opaque subclasses: no storage
-        message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        raise _Unsized(f"no storage: {type(exc).__name__}: {message}") from None
+        raise _Unsized(f"no storage: {_first_line(exc)}") from None
+
+
+def _first_line(exc: Exception) -> str:
+    message = str(exc).strip()
+    return f"{type(exc).__name__}: {message.splitlines()[0] if message else ''}"
 
 
 def _numel(tensor: torch.Tensor) -> int:
@@ -416,9 +468,7 @@ def _shape(tensor: torch.Tensor) -> tuple[int | str, ...] | None:
 
 
 def _matches(device: torch.device, wanted: torch.device) -> bool:
-    if device.type != wanted.type:
-        return False
-    return wanted.index is None or device.index == wanted.index
+    return device.type == wanted.type and (wanted.index is None or device.index == wanted.index)
 
 
 def _weak(tensor: torch.Tensor) -> Callable[[], torch.Tensor | None] | None:
@@ -426,6 +476,12 @@ def _weak(tensor: torch.Tensor) -> Callable[[], torch.Tensor | None] | None:
         return weakref.ref(tensor)
     except TypeError:
         return None
+
+
+def _check(value: object, kinds: type | tuple[type, ...], wanted: str) -> None:
+    """A TypeError naming `value` (``'model' (str)``) unless it is one of `kinds`."""
+    if not isinstance(value, kinds):
+        raise TypeError(f"{wanted}, not {reprlib.repr(value)} ({type(value).__name__})")
 
 
 def _allocated(records: Sequence[TensorRecord]) -> dict[str, int]:

@@ -9,6 +9,7 @@ writes the columns chosen with ``-c`` / ``-D``.
 from __future__ import annotations
 
 import argparse
+import os
 from typing import Any
 
 from torchmem.lines import LineProfiler, LineReport
@@ -157,16 +158,25 @@ def _mlrun(ipython: Any, parser: Any, line: str, cell: str | None) -> Any:
         profiler.display(columns=columns)  # check the columns before running anything
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+    path = _unquote(args.dump_profile) if args.dump_profile else None
+    if path is not None:
+        problem = _unwritable(path)
+        if problem:
+            raise UsageError(f"-T {path}: cannot write the profile there: {problem}")
 
     compiled = compile(code, "<mlrun>", "exec")
     with profiler:
         exec(compiled, ipython.user_global_ns, ipython.user_ns)
 
     report: LineReport = profiler.display(columns=columns)
-    if args.dump_profile:
-        path = _unquote(args.dump_profile)
-        with open(path, "w", encoding="utf-8") as file:
-            file.write(str(report))
+    if path is not None:
+        try:
+            with open(path, "w", encoding="utf-8") as file:
+                file.write(str(report))
+        except OSError as exc:
+            raise UsageError(
+                f"-T {path}: the statement ran, but writing the profile failed: {exc}"
+            ) from None
     if args.return_profiler:
         return profiler
     if args.quiet:
@@ -193,6 +203,20 @@ def _parse(parser: Any, line: str) -> tuple[Any, str]:
         pos = found + len(word)
     rest = line[pos:].strip()
     return args, rest if rest.startswith(words[0]) else " ".join(words)
+
+
+def _unwritable(path: str) -> str | None:
+    """Why a file cannot be written at `path`, or None where it can (checked without
+    creating or changing anything)."""
+    target = os.path.abspath(path)
+    if os.path.isdir(target):
+        return "it is a directory"
+    folder = os.path.dirname(target)
+    if not os.path.isdir(folder):
+        return f"no directory {folder}"
+    if os.path.exists(target):
+        return None if os.access(target, os.W_OK) else "the file is not writable"
+    return None if os.access(folder, os.W_OK | os.X_OK) else f"{folder} is not writable"
 
 
 def _lookup(ipython: Any, name: str, error: type[Exception]) -> Any:

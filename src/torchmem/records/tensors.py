@@ -16,13 +16,15 @@ class TensorRecord:
 
     name: str
     """Parameter or buffer name(s) joined with ``+``, ``<name>.grad``,
-    ``<Optimizer>.<param>.<state key>``, or ``Tensor<n>`` / ``Parameter<n>`` (numbered
-    afresh in each report)."""
+    ``<Optimizer>.<param>.<state key>``, or ``Tensor<n>`` / ``Parameter<n>``: numbered
+    afresh in each report from 0, with no gaps, in the order the report prints them,
+    tensors that share a storage listed before them (shown with ``verbose``) last."""
     device: str
     """``str(tensor.device)``: ``"cpu"``, ``"cuda:0"``, ``"meta"``."""
     shape: tuple[int | str, ...] | None
-    """``tuple(tensor.size())`` (a symbolic size as text, e.g. a jagged ``"j1"``); None
-    where the tensor has no single size (a strided nested tensor)."""
+    """``tuple(tensor.size())``, ``()`` for a 0-d tensor (a symbolic size as text, e.g. a
+    jagged ``"j1"``); None where the tensor has no single size (a strided nested
+    tensor)."""
     dtype: str
     """``str(tensor.dtype)``, e.g. ``"torch.float32"``."""
     layout: str

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, fields
 from typing import Any
 
+from torchmem.errors import require
 from torchmem.records.cells import CellRecord
 from torchmem.units import MB, b2mb
 
@@ -62,8 +63,7 @@ def compact(record: CellRecord) -> str:
 def dataframe(records: Sequence[CellRecord]) -> Any:
     """One row per cell, every field of :class:`~torchmem.records.cells.CellRecord` a
     column (bytes and seconds). Needs pandas."""
-    import pandas as pd
-
+    pd = require("pandas", "to_dataframe()")
     columns = [field.name for field in fields(CellRecord)]
     return pd.DataFrame([asdict(r) for r in records], columns=columns)
 
@@ -72,9 +72,8 @@ def figure(records: Sequence[CellRecord]) -> Any:
     """A matplotlib figure: for each row (general RAM, then GPU or CPU tensors), the memory
     used after each cell and the peak during it, in MiB, over the cells. Needs matplotlib;
     uses no pyplot state, so it works under any backend."""
-    from matplotlib.figure import Figure
-
-    figure = Figure(figsize=(8, 5), layout="constrained")
+    figures = require("matplotlib.figure", "plot()", "plot")
+    figure = figures.Figure(figsize=(8, 5), layout="constrained")
     axes = figure.subplots(2, 1, sharex=True)
     ticks = list(range(len(records)))
     names = ["" if r.execution_count is None else f"[{r.execution_count}]" for r in records]

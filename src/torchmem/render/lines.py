@@ -6,6 +6,7 @@ import html as markup
 from collections.abc import Sequence
 from typing import Any
 
+from torchmem.errors import require
 from torchmem.records.lines import FunctionRecord, LineRecord
 from torchmem.render.text import table
 from torchmem.units import readable_size
@@ -111,10 +112,7 @@ def _html_table(function: FunctionRecord, columns: Sequence[str]) -> str:
 def dataframe(functions: Sequence[FunctionRecord]) -> Any:
     """One row per source line: ``function``, ``filename``, ``line``, ``code``, ``hits``,
     then every recorded stat, sorted by name (NaN for lines that never ran)."""
-    try:
-        import pandas as pd
-    except ImportError:
-        raise ImportError("to_dataframe() needs pandas: pip install pandas") from None
+    pd = require("pandas", "to_dataframe()")
     stats = sorted({key for f in functions for line in f.lines for key in line.stats})
     rows = [
         {

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from torchmem.errors import require
 from torchmem.records.run import CATEGORIES, DeviceRun, Held, ModulePeak, RunRecord, Site
 from torchmem.render.text import table
 from torchmem.units import readable_size
@@ -414,10 +415,7 @@ def dataframe(record: RunRecord) -> Any:
     (seconds), ``end_bytes``, then ``<category>_at_peak`` in bytes for each of
     :data:`~torchmem.records.run.CATEGORIES` (empty where the device has no event log).
     Needs pandas."""
-    try:
-        import pandas as pd
-    except ImportError:
-        raise ImportError("a run's DataFrame needs pandas: pip install pandas") from None
+    pd = require("pandas", "a run's DataFrame")
     names = list(CATEGORIES)
     for run in record.devices.values():
         names += [n for n in run.categories_at_peak or {} if n not in names]

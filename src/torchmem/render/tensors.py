@@ -7,6 +7,7 @@ import html as markup
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from torchmem.errors import require
 from torchmem.records.tensors import TensorRecord
 from torchmem.render.text import table
 from torchmem.units import readable_size
@@ -56,12 +57,12 @@ def text(
 
 @functools.lru_cache(maxsize=4096)
 def size_text(shape: tuple[int | str, ...] | None) -> str:
-    """The Size column: ``str(tuple(size))``, ``(1,)`` for a 0-d tensor as pytorch_memlab
-    shows it, ``?`` where there is no single size."""
+    """The Size column: ``str(tuple(size))``, ``()`` for a 0-d tensor (pytorch_memlab
+    showed ``(1,)``), ``?`` where there is no single size."""
     if shape is None:
         return "?"
     if not shape:
-        return "(1,)"
+        return "()"
     inner = ", ".join(str(d) for d in shape)
     return f"({inner},)" if len(shape) == 1 else f"({inner})"
 
@@ -112,10 +113,7 @@ def html(
 def dataframe(records: Sequence[TensorRecord]) -> Any:
     """One row per tensor: ``name``, ``device``, ``shape``, ``dtype``, ``layout``,
     ``kind``, ``numel``, ``nbytes`` (bytes), ``owner``, ``note``."""
-    try:
-        import pandas as pd
-    except ImportError:
-        raise ImportError("to_dataframe() needs pandas: pip install pandas") from None
+    pd = require("pandas", "to_dataframe()")
     columns = [
         "name",
         "device",

@@ -4,6 +4,7 @@
 #   newest:  Python 3.12 with the newest PyTorch (sys.monitoring line tracing, IPython 9)
 #   oldest:  Python 3.10 with the oldest PyTorch admitted (settrace line tracing, IPython 8)
 # Run it when a tracing or meter change lands, and record its summary in CHANGELOG.md.
+# Each edge's pytest output is also kept in .matrix/<edge>.log.
 # Off a machine with a CPU build on disk, each PyTorch is a download of several GB; pip's
 # cache keeps it for the next run. Extra arguments go to pytest (e.g. -m "not slow").
 # Choose the interpreters with PYTHON_NEWEST and PYTHON_OLDEST (default: python3.12 and
@@ -33,7 +34,8 @@ for edge in newest oldest; do
 import platform, torch, IPython
 print(f"Python {platform.python_version()}, torch {torch.__version__}, IPython {IPython.__version__}")')"
     echo "== $edge: $versions"
-    summary="$("$env/bin/python" -m pytest -q -p no:cacheprovider "$@" | tee /dev/stderr | tail -n 1)"
+    "$env/bin/python" -m pytest -q -p no:cacheprovider "$@" 2>&1 | tee "$env.log"
+    summary="$(tail -n 1 "$env.log")"
     OUTCOMES[$edge]="$versions: $summary"
 done
 

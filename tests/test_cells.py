@@ -458,7 +458,8 @@ def ram_rows() -> list[list[int]]:
     from torchmem import CellLogger
 
     shell = InteractiveShell.instance()
-    shell.run_cell("import torch\ntorch.ones(1024).sum()")  # warm up
+    # Warm up: a sum large enough to start the intra-op thread pool (its stacks are RAM).
+    shell.run_cell("import torch\ntorch.ones(2**20).sum()")
     logger = CellLogger(shell=shell).start()
     for cell in (
         "x = torch.ones(16 * 2**20)",  # 64 MiB kept, every page touched

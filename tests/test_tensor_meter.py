@@ -44,7 +44,7 @@ def test_views_and_in_place_ops_cost_nothing(m):
         views = [a.view(-1), a[1:], a.t(), a.unsqueeze(0), a.detach(), a.as_strided((2,), (1,))]
         a.add_(1).mul_(2).clamp_(max=3)
         assert m.used() == w.peak() == 256 * 256 * 4
-        a[0] = 5  # builds a 4-byte scalar tensor, copies it in, and frees it
+        a[0] = torch.tensor(5.0)  # a 4-byte tensor, copied in and freed
         assert m.used() == 256 * 256 * 4
         assert w.peak() == 256 * 256 * 4 + 4
     del a, views

@@ -13,10 +13,9 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 
-TORCH_FLOOR="2.3.0"  # the oldest PyTorch in pyproject.toml's range (torch>=2.3)
+TORCH_FLOOR="2.7.0"  # the oldest PyTorch in pyproject.toml's range (torch>=2.7)
 declare -A PYTHONS=([newest]="${PYTHON_NEWEST:-python3.12}" [oldest]="${PYTHON_OLDEST:-python3.10}")
-# PyTorch before 2.4 was built against NumPy 1 and warns at import beside NumPy 2.
-declare -A TORCHES=([newest]="torch" [oldest]="torch==$TORCH_FLOOR numpy<2")
+declare -A TORCHES=([newest]="torch" [oldest]="torch==$TORCH_FLOOR")
 declare -A OUTCOMES=()
 
 for edge in newest oldest; do
@@ -26,9 +25,8 @@ for edge in newest oldest; do
         "$python" -m venv "$env" || { OUTCOMES[$edge]="no $python"; continue; }
     fi
     # torch first, alone: resolved with the project, a newer torch would win the range.
-    # shellcheck disable=SC2086  # the requirements are words
-    "$env/bin/python" -m pip install --quiet --upgrade ${TORCHES[$edge]} \
-        && "$env/bin/python" -m pip install --quiet -e ".[dev]" ${TORCHES[$edge]} \
+    "$env/bin/python" -m pip install --quiet --upgrade "${TORCHES[$edge]}" \
+        && "$env/bin/python" -m pip install --quiet -e ".[dev]" "${TORCHES[$edge]}" \
         || { OUTCOMES[$edge]="install failed"; continue; }
     versions="$("$env/bin/python" -c '
 import platform, torch, IPython

@@ -149,8 +149,13 @@ def live_storages() -> list[torch.UntypedStorage]:
         else:
             found = [obj if kind is _UNTYPED else obj.untyped()]
         for storage in found:
-            if storage.device.type == "cpu":
-                storages.setdefault(storage_key(storage), storage)
+            try:
+                if storage.device.type != "cpu":
+                    continue
+                storage.data_ptr()
+            except RuntimeError:  # a Python storage whose C++ storage is gone (null, invalid)
+                continue
+            storages.setdefault(storage_key(storage), storage)
     return list(storages.values())
 
 

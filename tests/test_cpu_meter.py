@@ -23,6 +23,7 @@ from torch import nn
 from standins import MiB
 from torchmem import LineProfiler, MemTrace, meter
 from torchmem.meters import CpuAllocatorMeter, CpuDispatchMeter, Meter
+from torchmem.meters.cpu import live_storages
 
 pytestmark = [
     # torch.compile's own import of TorchScript, and qint8 tensors, warn that they are deprecated
@@ -57,6 +58,25 @@ def change(cpu: Meter, fn):
 
 def state_dict() -> dict[str, torch.Tensor]:
     return {"weight": torch.zeros(1024, 1024), "bias": torch.zeros(1024)}
+
+
+# Storages no walk can read ---------------------------------------------------------
+
+
+class GoneStorage(torch.UntypedStorage):
+    """A Python storage whose C++ storage is gone, as PyTorch's own caches have held:
+    every read raises."""
+
+    def data_ptr(self) -> int:
+        raise RuntimeError("Got a null Storage")
+
+
+def test_a_python_storage_whose_storage_is_gone_is_passed_over(cpu):
+    gone = GoneStorage(16)
+    assert not [s for s in live_storages() if type(s) is GoneStorage]
+    used, peak, _ = change(cpu, lambda: torch.zeros(1024))  # a walk where the backend walks
+    assert (used, peak) == (4096, 4096)
+    del gone
 
 
 # What "absolute" means -------------------------------------------------------------

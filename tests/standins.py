@@ -134,7 +134,7 @@ class StandInAllocator:
 
     def alloc(self, nbytes: int, capacity: int) -> int:
         """Allocate a block of `nbytes`; `capacity` is how much this allocator may reserve
-        in all. Returns the block's size; raises ``torch.cuda.OutOfMemoryError`` like PyTorch,
+        in all. Returns the block's size; raises ``torch.OutOfMemoryError`` like PyTorch,
         after giving back the cache and retrying once."""
         size, pool = _block(nbytes)
         if size == 0:
@@ -148,7 +148,7 @@ class StandInAllocator:
             if self.current("reserved_bytes.all") + grow > capacity:
                 self.num_ooms += 1
                 free = capacity - self.current("reserved_bytes.all")
-                raise torch.cuda.OutOfMemoryError(
+                raise torch.OutOfMemoryError(
                     f"CUDA out of memory (stand-in). Tried to allocate {size} bytes; "
                     f"{free} bytes free"
                 )

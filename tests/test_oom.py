@@ -84,7 +84,7 @@ def test_a_cuda_error_names_its_gpu_and_the_allocators_fragmentation(monkeypatch
     cuda = CudaStandIn(gpus).install(monkeypatch)
     cuda.alloc(1, 1 * GiB)
     cuda.spike(1, 3 * GiB)  # freed, but stays reserved in the cache
-    error = torch.cuda.OutOfMemoryError(
+    error = torch.OutOfMemoryError(
         "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 1 has a total capacity of"
         " 16.00 GiB of which 12.00 GiB is free."
     )
@@ -113,7 +113,7 @@ def test_a_message_without_a_size_or_device():
 
 def test_which_errors_are_out_of_memory():
     assert is_oom(cpu_oom())
-    assert is_oom(torch.cuda.OutOfMemoryError("CUDA out of memory."))
+    assert is_oom(torch.OutOfMemoryError("CUDA out of memory."))
     assert is_oom(RuntimeError("MPS backend out of memory (MPS allocated: 1 GB)"))
     assert not is_oom(RuntimeError("shape mismatch"))
     assert not is_oom(ValueError("out of memory"))  # not an error PyTorch raises for it
@@ -156,12 +156,12 @@ def test_a_gpu_this_process_cannot_see_leaves_the_error_unchanged(monkeypatch):
     one read back from a log) is still explained, without the allocator's numbers, and
     oom_guard re-raises the user's error, not one of ours."""
     CudaStandIn([StandInGpu(gpu_uuid(0), total=16 * GiB)]).install(monkeypatch)
-    error = torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 7 ...")
+    error = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 7 ...")
     report = explain_oom(error, objects=list)
     assert (report.device, report.requested) == ("cuda:7", 2 * GiB)
     assert (report.total, report.free, report.allocated, report.reserved) == (None,) * 4
     stream = io.StringIO()
-    with pytest.raises(torch.cuda.OutOfMemoryError) as info, oom_guard(stream):
+    with pytest.raises(torch.OutOfMemoryError) as info, oom_guard(stream):
         raise error
     assert info.value is error and info.value.__context__ is None
     assert stream.getvalue().startswith("Out of memory on cuda:7: tried to allocate 2.00G.\n")
@@ -193,10 +193,10 @@ def test_explain_oom_names_what_it_cannot_explain(monkeypatch):
     "error",
     [
         cpu_oom(),
-        torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0"),
+        torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0"),
         RuntimeError("MPS backend out of memory (MPS allocated: 1 GB)"),
     ],
-    ids=["cpu allocator", "torch.cuda.OutOfMemoryError", "mps"],
+    ids=["cpu allocator", "torch.OutOfMemoryError", "mps"],
 )
 def test_oom_guard_still_reports_every_kind_of_oom(no_gpu, error):
     stream = io.StringIO()

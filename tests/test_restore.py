@@ -92,7 +92,7 @@ def test_outside_ipython_the_decorator_only_calls():
     ("error", "setting", "cleared"),
     [
         (cpu_oom(), None, True),
-        (torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), None, True),
+        (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), None, True),
         (RuntimeError("MPS backend out of memory (MPS allocated: 1 GB)"), None, True),
         (KeyboardInterrupt(), None, True),
         (ValueError("not about memory"), None, False),

@@ -128,7 +128,7 @@ def gpu_mem_allocate_mbs(n: int, fatal: bool = False) -> torch.Tensor | None:
 
     Args:
         n: whole MB (MiB) to allocate.
-        fatal: raise instead of returning None: ``torch.cuda.OutOfMemoryError`` saying how
+        fatal: raise instead of returning None: ``torch.OutOfMemoryError`` saying how
             much was asked and how much was free, or :class:`TorchmemError` without a GPU.
 
     Raises:
@@ -141,11 +141,11 @@ def gpu_mem_allocate_mbs(n: int, fatal: bool = False) -> torch.Tensor | None:
         return None
     try:
         return torch.empty(n * MB, dtype=torch.uint8, device="cuda")
-    except torch.cuda.OutOfMemoryError as exc:
+    except torch.OutOfMemoryError as exc:
         if not fatal:
             return None
         device = torch.cuda.current_device()
-        raise torch.cuda.OutOfMemoryError(
+        raise torch.OutOfMemoryError(
             f"could not allocate {n} MB on cuda:{device}: {gpu_mem_get_free(device)} MB free"
         ) from exc
 

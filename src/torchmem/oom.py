@@ -39,9 +39,9 @@ counts as fragmentation worth the expandable-segments hint."""
 
 
 def is_oom(exc: BaseException) -> bool:
-    """True for an out-of-memory error: ``torch.cuda.OutOfMemoryError``, or a ``RuntimeError`` /
+    """True for an out-of-memory error: ``torch.OutOfMemoryError``, or a ``RuntimeError`` /
     ``MemoryError`` whose message says so (MPS, the CPU allocator)."""
-    if isinstance(exc, torch.cuda.OutOfMemoryError):
+    if isinstance(exc, torch.OutOfMemoryError):
         return True
     message = str(exc)
     return isinstance(exc, (RuntimeError, MemoryError)) and any(
@@ -128,7 +128,7 @@ def _check_arguments(exc: object, model: object, objects: object) -> None:
     if not is_oom(exc):
         raise ValueError(
             f"explain_oom: {_describe(exc)} is not an out-of-memory error: expected"
-            " torch.cuda.OutOfMemoryError, or a RuntimeError or MemoryError whose message says"
+            " torch.OutOfMemoryError, or a RuntimeError or MemoryError whose message says"
             " 'out of memory' or 'can't allocate memory'"
         )
     if model is not None and not isinstance(model, torch.nn.Module):

@@ -17,6 +17,7 @@ TORCH_FLOOR="2.7.0"  # the oldest PyTorch in pyproject.toml's range (torch>=2.7)
 declare -A PYTHONS=([newest]="${PYTHON_NEWEST:-python3.12}" [oldest]="${PYTHON_OLDEST:-python3.10}")
 declare -A TORCHES=([newest]="torch" [oldest]="torch==$TORCH_FLOOR")
 declare -A OUTCOMES=()
+passed=()
 
 for edge in newest oldest; do
     env=".matrix/$edge"
@@ -33,6 +34,7 @@ import platform, torch, IPython
 print(f"Python {platform.python_version()}, torch {torch.__version__}, IPython {IPython.__version__}")')"
     echo "== $edge: $versions"
     "$env/bin/python" -m pytest -q -p no:cacheprovider "$@" 2>&1 | tee "$env.log"
+    [[ "${PIPESTATUS[0]}" == 0 ]] && passed+=("$edge")
     summary="$(tail -n 1 "$env.log")"
     OUTCOMES[$edge]="$versions: $summary"
 done
@@ -42,3 +44,4 @@ echo "Version matrix, $(date +%Y-%m-%d):"
 for edge in newest oldest; do
     echo "- $edge: ${OUTCOMES[$edge]}"
 done
+[[ "${#passed[@]}" == 2 ]]  # the exit status: 0 only where both edges passed

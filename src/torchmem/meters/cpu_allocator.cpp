@@ -324,17 +324,6 @@ struct CountingAllocator final : c10::Allocator {
 c10::Allocator* allocator = nullptr;
 void* standard_vtable = nullptr;
 
-// The storage's DataPtr as it is, without materializing a copy-on-write storage or any
-// other check: _mutable_data_ptr_no_checks where PyTorch has it, else data_ptr().
-template <typename Storage>
-auto raw_data_ptr(Storage* storage, int) -> decltype(storage->_mutable_data_ptr_no_checks()) {
-  return storage->_mutable_data_ptr_no_checks();
-}
-template <typename Storage>
-c10::DataPtr& raw_data_ptr(Storage* storage, long) {
-  return const_cast<c10::DataPtr&>(storage->data_ptr());
-}
-
 }  // namespace
 
 extern "C" {
@@ -408,7 +397,7 @@ int64_t torchmem_adopt(void* storage_impl) {
   if (allocator == nullptr || storage->device_type() != c10::DeviceType::CPU) {
     return 0;
   }
-  c10::DataPtr& ptr = raw_data_ptr(storage, 0);
+  c10::DataPtr& ptr = storage->_mutable_data_ptr_no_checks();
   void* data = ptr.get();
   int64_t n = static_cast<int64_t>(storage->nbytes());
   if (data == nullptr || n == 0 || ptr.get_context() != data) {

@@ -17,6 +17,9 @@ For tests about a machine without a GPU, on every machine: :func:`hide_gpus` mak
 process see none, :func:`environ_without_gpu` is the environment for a subprocess that
 must see none, and :func:`call_in_fresh_process_without_gpu` runs a measurement in a new
 interpreter where CUDA is never initialised.
+
+:class:`TracerStandIn` stands in for another ``sys.settrace`` tracer (a debugger,
+coverage.py) beside the line profiler.
 """
 
 from __future__ import annotations
@@ -745,3 +748,18 @@ def call_in_fresh_process_without_gpu(function: Callable[..., Any], *args: Any) 
     if answer["cuda_initialized"]:
         raise AssertionError(f"{qualname} initialised CUDA in a process meant to have no GPU")
     return answer["result"]
+
+
+class TracerStandIn:
+    """Another tracer (a debugger, coverage) for the line profiler's tests: records the
+    events of some functions, as ``sys.settrace`` hands them."""
+
+    def __init__(self, *functions: Callable[..., object]) -> None:
+        self.codes = {f.__code__ for f in functions}
+        self.events: list[tuple[str, str, int]] = []
+
+    def __call__(self, frame: types.FrameType, event: str, arg: object) -> TracerStandIn | None:
+        if frame.f_code not in self.codes:
+            return None
+        self.events.append((frame.f_code.co_name, event, frame.f_lineno))
+        return self

@@ -26,6 +26,7 @@ from standins import (
     KiB,
     MiB,
     StandInGpu,
+    TracerStandIn,
     call_in_fresh_process_without_gpu,
     gpu_uuid,
 )
@@ -386,34 +387,20 @@ def test_keyboard_interrupt_passes_through_and_the_hooks_go():
     assert sys.gettrace() is before
 
 
-class Recorder:
-    """Another tracer (a debugger, coverage): records the events of some functions."""
-
-    def __init__(self, *functions):
-        self.codes = {f.__code__ for f in functions}
-        self.events = []
-
-    def __call__(self, frame, event, arg):
-        if frame.f_code not in self.codes:
-            return None
-        self.events.append((frame.f_code.co_name, event, frame.f_lineno))
-        return self
-
-
 def run_both():
     allocate()
     temporary()
 
 
 def test_another_tracer_keeps_every_event_and_is_restored():
-    plain = Recorder(allocate, temporary)
+    plain = TracerStandIn(allocate, temporary)
     previous = sys.gettrace()
     sys.settrace(plain)
     try:
         run_both()
     finally:
         sys.settrace(previous)
-    profiled = Recorder(allocate, temporary)
+    profiled = TracerStandIn(allocate, temporary)
     base = alive()
     sys.settrace(profiled)
     try:

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import torchmem.lines
-from standins import KiB, MiB, environ_without_gpu
+from standins import KiB, MiB, TracerStandIn, environ_without_gpu
 from torchmem import LineProfiler, mem_trace, meter, profile, profile_every, valid_columns
 from torchmem.lines import check_columns
 from torchmem.units import readable_size
@@ -86,20 +86,6 @@ def allocate():
 
 def call_allocate():
     allocate()
-
-
-class Recorder:
-    """Another tracer (a debugger, coverage): records the events of some functions."""
-
-    def __init__(self, *functions):
-        self.codes = {f.__code__ for f in functions}
-        self.events = []
-
-    def __call__(self, frame, event, arg):
-        if frame.f_code not in self.codes:
-            return None
-        self.events.append((frame.f_code.co_name, event, frame.f_lineno))
-        return self
 
 
 # coverage.py --------------------------------------------------------------------------
@@ -215,7 +201,7 @@ def test_under_coverage_run_both_record_every_line(tmp_path: Path, core: str):
 
 def test_profilers_disabled_in_any_order_put_back_the_tracer_there_before(backend):
     base = alive()
-    for previous in (None, Recorder(allocate)):
+    for previous in (None, TracerStandIn(allocate)):
         for order in itertools.permutations(range(3)):
             profilers = [LineProfiler(allocate, device="cpu") for _ in range(3)]
             threading.settrace(previous)
@@ -251,7 +237,7 @@ def tick():
 
 
 def test_profilers_enabled_and_disabled_in_any_interleaving_leave_no_hook(backend):
-    previous = Recorder(tick)
+    previous = TracerStandIn(tick)
     orders = list(interleavings(3))
     assert len(orders) == 90
     for order in orders:
@@ -275,7 +261,7 @@ def test_profilers_enabled_and_disabled_in_any_interleaving_leave_no_hook(backen
 
 
 def test_a_thread_started_while_profiling_gets_its_tracer_back_once_it_stops(backend):
-    previous = Recorder(allocate)
+    previous = TracerStandIn(allocate)
     started, go = threading.Event(), threading.Event()
     seen = []
 

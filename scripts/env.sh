@@ -7,7 +7,7 @@
 #   user's, and replacing it is their call.
 # Sets PY to that environment's python and says what it did.
 
-TORCH_FLOOR="2.7"       # as in pyproject.toml's `torch>=2.7`
+TORCH_FLOOR="2.10"      # as in pyproject.toml's `torch>=2.10`
 TORCH_DEFAULT="2.13.0"  # what a fresh environment gets
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 

@@ -13,7 +13,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 
-TORCH_FLOOR="2.7.0"  # the oldest PyTorch in pyproject.toml's range (torch>=2.7)
+TORCH_FLOOR="2.10.0"  # the oldest PyTorch in pyproject.toml's range (torch>=2.10)
 declare -A PYTHONS=([newest]="${PYTHON_NEWEST:-python3.12}" [oldest]="${PYTHON_OLDEST:-python3.10}")
 declare -A TORCHES=([newest]="torch" [oldest]="torch==$TORCH_FLOOR")
 declare -A OUTCOMES=()

@@ -60,11 +60,11 @@ def test_an_active_environment_keeps_its_supported_torch(tmp_path: Path) -> None
 
 
 def test_a_torch_older_than_supported_stops_the_script(tmp_path: Path) -> None:
-    user = environment(tmp_path / "user", "2.6.0+cpu")
+    user = environment(tmp_path / "user", "2.9.1+cpu")
     done = source_env(tmp_path, VIRTUAL_ENV=str(user))
     assert done.returncode == 1
     assert "PY=" not in done.stdout
-    assert "has torch 2.6.0+cpu; torchmem needs torch>=2.7" in done.stderr
+    assert "has torch 2.9.1+cpu; torchmem needs torch>=2.10" in done.stderr
 
 
 def test_outside_an_environment_the_project_venv_is_used(tmp_path: Path) -> None:

@@ -10,7 +10,6 @@ import pytest
 import torch
 import torch._dynamo
 import torch._dynamo.testing
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from standins import MiB
 from torchmem import TensorMeter, meter
@@ -77,11 +76,6 @@ def test_a_function_first_compiled_inside_a_window_counts_exactly(m):
 @pytest.mark.skipif(
     not any(shutil.which(cxx) for cxx in ("g++", "c++", "clang++")),
     reason="inductor needs a C++ compiler for CPU code",
-)
-@pytest.mark.skipif(
-    not hasattr(TorchDispatchMode, "ignore_compile_internals"),
-    reason="PyTorch before 2.9 runs compiled code differently under a dispatch mode"
-    " (TorchDispatchMode.ignore_compile_internals is 2.9's)",
 )
 def test_inductor_compiled_function_counts_exactly_in_a_window(m):
     compiled = torch.compile(double_sin_plus_one)

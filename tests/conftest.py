@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import sys
+import threading
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -34,6 +35,15 @@ def no_dispatch_mode_left_on() -> Iterator[None]:
 
     yield
     assert dispatch_mode_stack() == [], "a dispatch mode was left on"
+
+
+@pytest.fixture(autouse=True)
+def trace_functions_left_as_found() -> Iterator[None]:
+    """Every test must leave the trace functions (coverage.py's, under ``coverage run``) as
+    it found them: a test that clears them blinds coverage for every later test."""
+    before = sys.gettrace(), threading.gettrace()
+    yield
+    assert (sys.gettrace(), threading.gettrace()) == before, "the trace functions changed"
 
 
 @pytest.fixture

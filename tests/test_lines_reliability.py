@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import contextlib
 import gc
 import inspect
 import itertools
@@ -199,23 +200,32 @@ def test_under_coverage_run_both_record_every_line(tmp_path: Path, core: str):
 # Other tracers, and several profilers -----------------------------------------------------
 
 
+@contextlib.contextmanager
+def tracing(tracer: object) -> Iterator[None]:
+    """`tracer` as the trace function of this thread and of threads started in the block;
+    the ones there before (coverage.py's, under ``coverage run``) back after it."""
+    before = sys.gettrace(), threading.gettrace()
+    sys.settrace(tracer)
+    threading.settrace(tracer)
+    try:
+        yield
+    finally:
+        sys.settrace(before[0])
+        threading.settrace(before[1])
+
+
 def test_profilers_disabled_in_any_order_put_back_the_tracer_there_before(backend):
     base = alive()
     for previous in (None, TracerStandIn(allocate)):
         for order in itertools.permutations(range(3)):
             profilers = [LineProfiler(allocate, device="cpu") for _ in range(3)]
-            threading.settrace(previous)
-            sys.settrace(previous)
-            try:
+            with tracing(previous):
                 for prof in profilers:
                     prof.enable()
                 call_allocate()
                 for index in order:
                     profilers[index].disable()
                 after = sys.gettrace(), threading.gettrace()
-            finally:
-                sys.settrace(None)
-                threading.settrace(None)
             assert after == (previous, previous), order
             for prof in profilers:
                 hits, line = stats(prof, allocate, "b = ")
@@ -243,16 +253,11 @@ def test_profilers_enabled_and_disabled_in_any_interleaving_leave_no_hook(backen
     for order in orders:
         # "meta": no CPU meter to start per window, as this is about the hooks alone
         profilers = [LineProfiler(tick, device="meta") for _ in range(3)]
-        sys.settrace(previous)
-        threading.settrace(previous)
-        try:
+        with tracing(previous):
             for index, on in order:
                 (profilers[index].enable if on else profilers[index].disable)()
                 tick()
             after = sys.gettrace(), threading.gettrace()
-        finally:
-            sys.settrace(None)
-            threading.settrace(None)
         assert after == (previous, previous), order
         assert [p.records(tick)[0].lines[1].hits for p in profilers] == [
             order.index((i, False)) - order.index((i, True)) for i in range(3)
@@ -271,6 +276,7 @@ def test_a_thread_started_while_profiling_gets_its_tracer_back_once_it_stops(bac
         call_allocate()  # a call: where a hook left behind would step aside
         seen.append(sys.gettrace())
 
+    before = threading.gettrace()
     threading.settrace(previous)
     try:
         with LineProfiler(allocate, device="cpu"):
@@ -278,7 +284,7 @@ def test_a_thread_started_while_profiling_gets_its_tracer_back_once_it_stops(bac
             thread.start()
             started.wait()
     finally:
-        threading.settrace(None)
+        threading.settrace(before)
         go.set()
         thread.join()
     assert seen == [previous]

@@ -116,26 +116,6 @@ def test_storage_key_is_one_per_storage() -> None:
         _compat._no_storage_key(base.untyped_storage())
 
 
-class StandInBackend(types.SimpleNamespace):
-    """Stand-in for ``torch.xpu`` of PyTorch 2.3: ``memory_stats`` but no nested form."""
-
-    def memory_stats(self, index: int) -> dict[str, int]:
-        return {
-            "allocated_bytes.all.current": 512 * (index + 1),
-            "allocated_bytes.all.peak": 1024,
-            "num_ooms": 0,
-        }
-
-
-def test_nested_memory_stats_with_and_without_the_backend_s_own() -> None:
-    assert _compat.nested_memory_stats(torch.cuda) is torch.cuda.memory_stats_as_nested_dict
-    read = _compat.nested_memory_stats(StandInBackend())  # type: ignore[arg-type]
-    assert read(1) == {
-        "allocated_bytes": {"all": {"current": 1024, "peak": 1024}},
-        "num_ooms": 0,
-    }
-
-
 def test_lock_is_owned(monkeypatch: pytest.MonkeyPatch) -> None:
     lock = threading.RLock()
     assert not _compat.lock_is_owned(lock)

@@ -25,9 +25,8 @@ class XpuStandIn:
     def free(self, nbytes):
         self.allocated -= nbytes
 
-    def install(self, monkeypatch, nested=True):
-        """Install the calls on ``torch.xpu``; without `nested`, as in PyTorch 2.3: only the
-        flat ``memory_stats``."""
+    def install(self, monkeypatch):
+        """Install the calls on ``torch.xpu``."""
         calls = {
             "is_available": lambda: True,
             "device_count": lambda: 1,
@@ -44,9 +43,6 @@ class XpuStandIn:
             },
             "reset_peak_memory_stats": self.reset,
         }
-        if not nested:
-            del calls["memory_stats_as_nested_dict"]
-            monkeypatch.delattr(torch.xpu, "memory_stats_as_nested_dict", raising=False)
         for name, call in calls.items():
             monkeypatch.setattr(torch.xpu, name, call, raising=False)
 
@@ -55,11 +51,9 @@ class XpuStandIn:
         self.peak = self.allocated
 
 
-@pytest.mark.parametrize("nested", [True, False], ids=["nested stats", "flat stats only"])
-def test_xpu_uses_the_allocator_meter_with_folded_peaks(monkeypatch, nested):
+def test_xpu_uses_the_allocator_meter_with_folded_peaks(monkeypatch):
     xpu = XpuStandIn()
-    xpu.install(monkeypatch, nested)
-    assert hasattr(torch.xpu, "memory_stats_as_nested_dict") is nested
+    xpu.install(monkeypatch)
     m = meter("xpu")
     assert isinstance(m, AllocatorMeter)
     assert m.device == "xpu:0"

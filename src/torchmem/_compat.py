@@ -185,36 +185,6 @@ storage_key: Callable[[torch.UntypedStorage], int] = (
 per storage however many Python objects stand for it (``data_ptr()`` would not do: it is
 0 for every meta tensor and every empty one)."""
 
-# Allocator statistics ------------------------------------------------------------------
-
-
-def nested_memory_stats(backend: types.ModuleType) -> Callable[[int], dict[str, Any]]:
-    """`backend`'s (``torch.cuda``, ``torch.xpu``) ``memory_stats_as_nested_dict``, which
-    skips the flattening that makes ``memory_stats()`` cost ~135 µs; where the backend
-    lacks it (``torch.xpu`` in PyTorch 2.3), ``memory_stats()`` nested here."""
-    nested = getattr(backend, "memory_stats_as_nested_dict", None)
-    if nested is not None:
-        return nested  # type: ignore[no-any-return]
-    flat = backend.memory_stats
-
-    def read(index: int) -> dict[str, Any]:
-        return _nest(flat(index))
-
-    return read
-
-
-def _nest(flat: dict[str, Any]) -> dict[str, Any]:
-    """``{"a.b.c": 1}`` -> ``{"a": {"b": {"c": 1}}}``."""
-    nested: dict[str, Any] = {}
-    for key, value in flat.items():
-        *path, last = key.split(".")
-        level = nested
-        for part in path:
-            level = level.setdefault(part, {})
-        level[last] = value
-    return nested
-
-
 # CUDA allocator history ----------------------------------------------------------------
 
 _RECORD_HISTORY = lookup("torch.cuda.memory._record_memory_history")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 
-from torchmem._compat import nested_memory_stats
 from torchmem.meters.base import Meter
 
 _COUNTERS = ("current", "allocated", "freed")
@@ -32,7 +31,6 @@ class AllocatorMeter(Meter):
         self._index = device.index
         self._backend = getattr(torch, device.type)
         self._backend.init()
-        self._nested_stats = nested_memory_stats(self._backend)
 
     def used(self) -> int:
         return int(self._backend.memory_allocated(self._index))
@@ -55,7 +53,7 @@ class AllocatorMeter(Meter):
         the line profiler reads twice per line.
         """
         flat = {}
-        for stat, pools in self._nested_stats(self._index).items():
+        for stat, pools in self._backend.memory_stats_as_nested_dict(self._index).items():
             if isinstance(pools, dict):
                 for pool, values in pools.items():
                     if isinstance(values, dict):

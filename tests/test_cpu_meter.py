@@ -64,8 +64,8 @@ def state_dict() -> dict[str, torch.Tensor]:
 
 
 class GoneStorage(torch.UntypedStorage):
-    """A Python storage whose C++ storage is gone, as PyTorch's own caches have held:
-    every read raises."""
+    """A Python storage whose C++ storage is gone, as PyTorch 2.9 and older left behind
+    after inductor ran (a weakly held storage): every read raises."""
 
     def data_ptr(self) -> int:
         raise RuntimeError("Got a null Storage")

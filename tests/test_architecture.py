@@ -31,6 +31,7 @@ COLLECTORS = {
     "torchmem.devices",
     "torchmem.courtesy",
     "torchmem.recorder",
+    "torchmem.estimator",
 }
 FRONT_ENDS = {"torchmem", "torchmem.__main__", "torchmem.notebook", "torchmem.cli"}
 FRONT_ENDS |= {"torchmem.restore"}

@@ -35,6 +35,12 @@ _EXPORTS = {
         "preload_pytorch",
     ),
     "torchmem.errors": ("TorchmemError", "TorchmemWarning"),
+    "torchmem.estimator": (
+        "estimate",
+        "Estimate",
+        "EstimateError",
+        "max_batch_size",
+    ),
     "torchmem.lines": (
         "clear_global_line_profiler",
         "DEFAULT_COLUMNS",
@@ -123,6 +129,12 @@ if _typing.TYPE_CHECKING:
     )
     from torchmem.courtesy import (
         Courtesy as Courtesy,
+    )
+    from torchmem.estimator import (
+        Estimate as Estimate,
+        EstimateError as EstimateError,
+        estimate as estimate,
+        max_batch_size as max_batch_size,
     )
     from torchmem.devices import (
         gpu_mem_allocate_mbs as gpu_mem_allocate_mbs,

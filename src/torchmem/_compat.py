@@ -212,6 +212,55 @@ def cuda_history_stop(device: int | None) -> dict[str, Any]:
         _RECORD_HISTORY(None)
 
 
+# Fake tensors (the estimator) -----------------------------------------------------------
+
+_FAKE = "torch._subclasses.fake_tensor"
+_ESTIMATOR = "Estimating memory"
+_FAKE_MODE = lookup(f"{_FAKE}.FakeTensorMode")
+_DATA_DEPENDENT: tuple[type[BaseException], ...] = tuple(
+    kind
+    for kind in (
+        lookup(f"{_FAKE}.DataDependentOutputException"),
+        lookup(f"{_FAKE}.DynamicOutputShapeException"),
+    )
+    if kind is not None
+)
+"""Errors fake tensors raise for an operator whose result depends on tensor values; each
+carries the operator as ``func``."""
+
+
+def fake_mode() -> Any:
+    """A new ``FakeTensorMode``: tensors made inside it have shapes, dtypes and devices but
+    no memory, and operators on them compute only those."""
+    if _FAKE_MODE is None:
+        unsupported(f"{_FAKE}.FakeTensorMode", _ESTIMATOR)()
+    return _FAKE_MODE()
+
+
+def data_dependent_operator(error: BaseException) -> Any:
+    """The operator a fake tensor could not run because its result depends on tensor values
+    (``nonzero``), or None if `error` is something else."""
+    return getattr(error, "func", None) if isinstance(error, _DATA_DEPENDENT) else None
+
+
+def forget_converted(mode: Any) -> None:
+    """Drop `mode`'s weak references to the fake tensors it made from real ones (PyTorch's
+    parameter initialisers make some): ``module.to()`` swaps a fake parameter with its
+    converted self, which fails while a weak reference to it exists."""
+    converter = getattr(mode, "fake_tensor_converter", None)
+    memo = getattr(getattr(converter, "meta_converter", None), "tensor_memo", None)
+    if memo is not None:
+        memo.clear()
+
+
+_AUTOGRAD_NODE = lookup("torch._C._current_autograd_node")
+
+
+def in_backward() -> bool:
+    """Whether autograd is computing gradients in this thread (a backward pass)."""
+    return _AUTOGRAD_NODE is not None and _AUTOGRAD_NODE() is not None
+
+
 # CPython -------------------------------------------------------------------------------
 
 _RLOCK_IS_OWNED = lookup("_thread.RLock._is_owned")

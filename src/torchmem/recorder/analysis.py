@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from torchmem.recorder.hooks import OTHER, Interval, Mark
+from torchmem.recorder.hooks import OTHER, Interval, Mark, Watcher
 from torchmem.recorder.sources import NO_SITE, Laps, Log
 from torchmem.records.run import CATEGORIES, DeviceRun, Held, ModulePeak, Site
 
@@ -293,3 +293,40 @@ def module_peaks(
         )
         for key, module in modules.items()
     )
+
+
+class Names:
+    """Names of the modules and parameters a :class:`Watcher` saw, from the outermost
+    modules called; called with a mark's name, the name a report shows."""
+
+    def __init__(self, watcher: Watcher) -> None:
+        self.modules: dict[int, str] = {}
+        self.params: dict[int, str] = {}
+        several = len(watcher.roots) > 1
+        for root in watcher.roots:
+            prefix = type(root).__name__ if several else ""
+            for name, module in root.named_modules(remove_duplicate=False):
+                self.modules.setdefault(id(module), _join(prefix, name))
+            for name, param in root.named_parameters(remove_duplicate=False):
+                self.params.setdefault(id(param), _join(prefix, name))
+        for key, module in watcher.modules.items():
+            self.modules.setdefault(key, type(module).__name__)
+
+    def __call__(self, name: tuple[Any, ...] | None) -> str | None:
+        if name is None:
+            return None
+        kind = name[0]
+        if kind in ("param", "grad"):
+            found = _join(self.modules.get(name[1], ""), name[2])
+            return found + ".grad" if kind == "grad" else found
+        if kind == "grad-of":
+            return self.params.get(name[1], "Parameter") + ".grad"
+        if kind == "state":
+            return f"{name[1]}.{self.params.get(name[2], 'Parameter')}.{name[3]}"
+        if kind == "saved":
+            return f"saved by {self.modules.get(name[1]) or 'the model'}"
+        return None
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix and name else prefix or name

@@ -70,9 +70,14 @@ class Watcher:
     """Installs the global hooks on :meth:`start` and removes every one on :meth:`stop`.
 
     Use from the thread that will run the user's code: saved-tensor hooks are per thread.
+
+    Args:
+        address: what a mark's ``ptr`` is for a tensor (default: its storage's
+            ``data_ptr()``, the address an allocator's log has).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, address: Callable[[torch.Tensor], int] | None = None) -> None:
+        self._address = address or _data_ptr
         self.marks: list[Mark] = []
         self.intervals: list[Interval] = []
         self.modules: dict[int, torch.nn.Module] = {}
@@ -136,7 +141,7 @@ class Watcher:
 
     def mark(self, tensor: torch.Tensor, category: int, name: tuple[Any, ...] | None) -> None:
         try:
-            ptr = tensor.untyped_storage().data_ptr()
+            ptr = self._address(tensor)
         except Exception:  # no storage (sparse, wrapper subclasses): nothing to attribute
             return
         if ptr:
@@ -248,6 +253,10 @@ def _opaque(hook: Callable[..., Any]) -> Callable[..., Any]:
         return hook(*args)
 
     return disable_dynamo(call)
+
+
+def _data_ptr(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage().data_ptr()
 
 
 def _unpack(tensor: torch.Tensor) -> torch.Tensor:

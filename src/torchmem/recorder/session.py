@@ -14,7 +14,7 @@ import torch
 
 from torchmem._compat import getframe
 from torchmem.meters import meter
-from torchmem.recorder.analysis import device_run, laps_run, module_peaks
+from torchmem.recorder.analysis import Names, device_run, laps_run, module_peaks
 from torchmem.recorder.hooks import Watcher
 from torchmem.recorder.sources import CpuLog, CudaLog, Laps, Log
 from torchmem.records.run import DeviceRun, ModulePeak, RunRecord
@@ -157,7 +157,7 @@ class Recording:
         if top < 1:
             raise ValueError(f"top must be at least 1, not {top!r}")
         watcher = self._watcher or Watcher()
-        names = _Names(watcher)
+        names = Names(watcher)
         devices: dict[str, DeviceRun] = {}
         modules: tuple[ModulePeak, ...] = ()
         notes = []
@@ -200,42 +200,6 @@ def record(device: DeviceLike | None = None, *, sites: bool = True) -> Recording
     global hooks while the block runs; nothing needs naming.
     """
     return Recording(device, sites=sites)
-
-
-class _Names:
-    """Names of the modules and parameters seen, from the outermost modules called."""
-
-    def __init__(self, watcher: Watcher) -> None:
-        self.modules: dict[int, str] = {}
-        self.params: dict[int, str] = {}
-        several = len(watcher.roots) > 1
-        for root in watcher.roots:
-            prefix = type(root).__name__ if several else ""
-            for name, module in root.named_modules(remove_duplicate=False):
-                self.modules.setdefault(id(module), _join(prefix, name))
-            for name, param in root.named_parameters(remove_duplicate=False):
-                self.params.setdefault(id(param), _join(prefix, name))
-        for key, module in watcher.modules.items():
-            self.modules.setdefault(key, type(module).__name__)
-
-    def __call__(self, name: tuple[Any, ...] | None) -> str | None:
-        if name is None:
-            return None
-        kind = name[0]
-        if kind in ("param", "grad"):
-            found = _join(self.modules.get(name[1], ""), name[2])
-            return found + ".grad" if kind == "grad" else found
-        if kind == "grad-of":
-            return self.params.get(name[1], "Parameter") + ".grad"
-        if kind == "state":
-            return f"{name[1]}.{self.params.get(name[2], 'Parameter')}.{name[3]}"
-        if kind == "saved":
-            return f"saved by {self.modules.get(name[1]) or 'the model'}"
-        return None
-
-
-def _join(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix and name else prefix or name
 
 
 def _variables(namespace: Mapping[str, object]) -> dict[int, str]:

@@ -210,6 +210,22 @@ def _sections(record: RunRecord, top: int) -> list[_Section]:
     return [section for section in found if section is not None]
 
 
+def _details(run: DeviceRun, modules: Sequence[ModulePeak], top: int) -> list[_Section]:
+    found = [_categories(run), _sites(run, top), _largest(run, top), _modules(modules, top)]
+    return [section for section in found if section is not None]
+
+
+def details_text(run: DeviceRun, modules: Sequence[ModulePeak], top: int = 10) -> list[str]:
+    """One device's blocks of :func:`text` (categories, sites, largest allocations,
+    modules), each a string of lines, for other reports built on the same records."""
+    return ["\n".join(_text_section(s)) for s in _details(run, modules, max(top, 0))]
+
+
+def details_html(run: DeviceRun, modules: Sequence[ModulePeak], top: int = 10) -> str:
+    """The blocks of :func:`details_text` as HTML, as :func:`html` shows them."""
+    return "".join(_html_section(s) for s in _details(run, modules, max(top, 0)))
+
+
 def _text_section(section: _Section) -> list[str]:
     indent = "  " if section.title else ""
     lines = [section.title] if section.title else []

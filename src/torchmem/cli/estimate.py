@@ -1,0 +1,99 @@
+"""``torchmem estimate``: a training step's memory on a device, without that device."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import runpy
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from torchmem.cli.command import Command
+from torchmem.errors import CommandError
+
+
+class EstimateCommand(Command):
+    name = "estimate"
+    help = "estimate a step's memory on a GPU (or the CPU) without it"
+    description = (
+        "Run a function (MODULE:FUNCTION, called with the batch size) or a script once on"
+        " fake tensors, allocating nothing, and print the memory it would need on the"
+        " device: the peak allocated and reserved (modelling PyTorch's CUDA caching"
+        " allocator), the categories at the peak, the lines and the largest tensors alive"
+        " then, each module's peaks. With --capacity, print the largest batch that fits."
+    )
+
+    def prepare_parser(self, parser: argparse.ArgumentParser) -> None:
+        parser.usage = "%(prog)s [options] (MODULE:FUNCTION | SCRIPT [ARGS ...])"
+        parser.add_argument(
+            "--device", default="cuda", help="cuda (the default) or cpu: the device to estimate"
+        )
+        parser.add_argument(
+            "--batch", type=int, metavar="N", help="call FUNCTION with batch size N"
+        )
+        parser.add_argument(
+            "--capacity",
+            metavar="SIZE",
+            help="print the largest batch size FUNCTION fits in SIZE (e.g. '80 GiB')",
+        )
+        parser.add_argument(
+            "--html", metavar="PATH", help="write the estimate as a self-contained HTML page"
+        )
+        parser.add_argument("target", metavar="MODULE:FUNCTION | SCRIPT")
+        parser.add_argument("args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+
+    def run(self, args: argparse.Namespace) -> int:
+        from torchmem.estimator import EstimateError, estimate, max_batch_size
+
+        fn, call_args = _target(args.target, args.args, args.batch)
+        try:
+            if args.capacity is not None:
+                if args.batch is not None or args.target.endswith(".py"):
+                    raise CommandError("--capacity takes a MODULE:FUNCTION and no --batch")
+                found = max_batch_size(fn, args.capacity, device=args.device)
+                print(f"largest batch size that fits {args.capacity} on {args.device}: {found}")
+                return 0
+            result = estimate(fn, *call_args, device=args.device)
+        except (EstimateError, ValueError) as exc:
+            raise CommandError(str(exc)) from None
+        print(result)
+        if args.html:
+            result.save_html(args.html)
+        return 0
+
+
+def _target(
+    target: str, words: list[str], batch: int | None
+) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+    """The function to estimate and its arguments: a script run as ``__main__`` with
+    `words` as its arguments, or a module's function called with `batch`."""
+    if target.endswith(".py"):
+        if not os.path.isfile(target):
+            raise CommandError(f"no such script: {target!r}")
+
+        def script() -> None:
+            saved = sys.argv[:]
+            sys.argv = [target, *words]
+            try:
+                runpy.run_path(target, run_name="__main__")
+            finally:
+                sys.argv = saved
+
+        script.__qualname__ = os.path.basename(target)
+        return script, ()
+    module_name, _, name = target.partition(":")
+    if not name:
+        raise CommandError(f"expected MODULE:FUNCTION or a .py script, not {target!r}")
+    sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise CommandError(f"cannot import {module_name!r}: {exc}") from None
+    finally:
+        sys.path.remove(os.getcwd())
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise CommandError(f"{module_name!r} has no function {name!r}")
+    return fn, () if batch is None else (batch,)

@@ -1,0 +1,369 @@
+"""Estimate a function's memory on a device without that device, and the largest batch
+that fits.
+
+The function runs once on fake tensors (:mod:`torchmem.estimator.fake`): nothing is
+allocated, every allocation and free is logged. For the CPU that log is the answer; for
+CUDA it is replayed through a model of PyTorch's caching allocator
+(:mod:`torchmem.estimator.allocator`), with cuBLAS's workspaces added at the first matrix
+product of the forward and of the backward pass.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from torchmem._compat import data_dependent_operator
+from torchmem.errors import TorchmemError
+from torchmem.estimator.allocator import (
+    SMALL_BUFFER as SEGMENT_GRANULE,
+    CachingAllocator,
+    OutOfMemory,
+    expandable_segments,
+)
+from torchmem.estimator.fake import FakeRun, run_fake
+from torchmem.recorder.analysis import Names, device_run, module_peaks
+from torchmem.recorder.sources import NO_SITE, Log
+from torchmem.records.estimate import EstimateRecord
+from torchmem.units import parse_size
+
+TOP = 10
+"""How many sites, allocations and modules the text and HTML list."""
+CONTEXT_BYTES = 512 * 2**20
+"""The allowance for the CUDA context (the driver's and the kernels' memory, outside the
+caching allocator) that :meth:`Estimate.fits` adds: about what CUDA 12 takes on an H100
+with lazy module loading."""
+CUBLAS_WORKSPACE_CONFIG = ":4096:8"
+"""cuBLAS's workspace where ``CUBLAS_WORKSPACE_CONFIG`` is not set: PyTorch's default on
+compute capability 9.0 (H100, H200), 32 MiB. Older GPUs default to ``:4096:2:16:8``."""
+MODELLED = (
+    "tensor storages of every operator, as the CPU run allocates them",
+    "the caching allocator: 512-byte blocks, small and large pools, 2 MiB / 20 MiB /"
+    " 2 MiB-rounded segments, best fit, splitting, merging, expandable segments",
+    "cuBLAS workspaces (one per thread: forward and backward)",
+    "an allowance for the CUDA context (in fits())",
+)
+NOT_MODELLED = (
+    "cuDNN and other kernels' own workspaces",
+    "NCCL buffers",
+    "operators whose CUDA kernels save other tensors than their CPU kernels",
+    "more than one stream",
+)
+MAX_BATCH = 2**40
+"""The largest batch :func:`max_batch_size` tries."""
+
+
+class EstimateError(TorchmemError):
+    """The function cannot be estimated on fake tensors (the message says why)."""
+
+
+@dataclass(frozen=True)
+class Estimate(EstimateRecord):
+    """What :func:`estimate` returns (the fields are
+    :class:`~torchmem.records.estimate.EstimateRecord`'s): prints as a table, shows as HTML
+    in Jupyter, and says whether it :meth:`fits` a device's memory."""
+
+    requests: tuple[int, ...] = field(default=(), repr=False, compare=False)
+    """The allocations and frees, in order, for :attr:`needed_bytes` to replay: bytes of an
+    allocation, or ``-(k + 1)`` for the free of the k-th allocation."""
+
+    def fits(self, capacity: int | float | str) -> bool:
+        """Whether the step fits in `capacity` (bytes, or a size string like ``"80 GiB"``):
+        whether it is at least :attr:`needed_bytes`."""
+        return parse_size(capacity) >= self.needed_bytes
+
+    @cached_property
+    def needed_bytes(self) -> int:
+        """The least memory the device must have for the step to run: on the CPU the peak;
+        on CUDA the least the allocator model needs to reserve (a multiple of 2 MiB), plus
+        :attr:`context_bytes`. Like PyTorch before it raises an out-of-memory error, the
+        model releases wholly free cached segments when a new one would not fit, so this
+        can be less than :attr:`reserved_bytes` (reached with no limit) plus the context."""
+        if self.device == "cpu":
+            return self.peak_bytes
+        # The reserve needed lies between the bytes allocated at the peak and the reserve
+        # reached without a limit; segments are whole multiples of 2 MiB.
+        low = -(-self.peak_bytes // SEGMENT_GRANULE) - 1  # in granules; known not to do
+        high = -(-self.reserved_bytes // SEGMENT_GRANULE)  # known to do
+        while high - low > 1:
+            middle = (low + high) // 2
+            allocator = CachingAllocator(
+                middle * SEGMENT_GRANULE, expandable=self.expandable_segments
+            )
+            if _replay(self.requests, allocator):
+                high = middle
+            else:
+                low = middle
+        return high * SEGMENT_GRANULE + self.context_bytes
+
+    def __str__(self) -> str:
+        from torchmem.render import estimate
+
+        return estimate.text(self, TOP)
+
+    def _repr_html_(self) -> str:
+        from torchmem.render import estimate
+
+        return estimate.html(self, TOP)
+
+    def to_dataframe(self) -> Any:
+        """One row per category and one for the peak and the reserved bytes; needs pandas."""
+        from torchmem.render import estimate
+
+        return estimate.dataframe(self)
+
+    def save_html(self, path: str | Path) -> None:
+        """Write a self-contained HTML page to `path` (no scripts, no network)."""
+        from torchmem.render import estimate
+
+        Path(path).write_text(estimate.page(self, TOP), encoding="utf-8")
+
+
+def estimate(fn: Callable[..., Any], *args: Any, device: str = "cuda", **kwargs: Any) -> Estimate:
+    """The memory ``fn(*args, **kwargs)`` needs on `device`, from one run in which every
+    tensor it makes is fake: nothing is allocated, so a batch of any size takes no memory
+    here. `fn` builds what it needs (the model, the optimizer, the inputs), as a
+    training script does; pass it sizes, not tensors.
+
+    Args:
+        device: ``"cuda"`` (PyTorch's caching allocator on a GPU: the default, and no GPU
+            is needed) or ``"cpu"`` (CPU tensors: the same peak a real CPU run measures).
+            ``"cuda"`` reads every CUDA device `fn` names (``.cuda()``,
+            ``device="cuda"``, ``torch.autocast("cuda", dtype=...)``) as the fake CPU.
+
+    Operators whose result depends on tensor values cannot run on fake tensors: a read
+    of one value (``loss.item()``) gives 1, or False (a note says so), while those whose output's
+    shape depends on values (``nonzero``, boolean masks) raise :class:`EstimateError`
+    naming the operator.
+    """
+    target = _target(device)
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, (torch.Tensor, torch.nn.Module, torch.optim.Optimizer)):
+            raise TypeError(
+                f"estimate() got a {type(value).__name__}: it fakes only what fn makes, so"
+                " build tensors, models and optimizers inside fn and pass it sizes"
+            )
+    started = time.perf_counter()
+    try:
+        fake = run_fake(fn, args, kwargs, cuda=target == "cuda")
+    except Exception as exc:
+        operator = data_dependent_operator(exc)
+        if operator is None:
+            raise
+        raise EstimateError(
+            f"{operator} cannot run on fake tensors: its output's shape depends on the"
+            " values of a tensor, which an estimate does not have. Give the shape a"
+            " fixed size (e.g. a mask multiplied in instead of indexed with)."
+        ) from None
+    notes = []
+    if fake.reads:
+        notes.append(
+            f"{fake.reads} value(s) read from tensors (.item(), bool(t)) were taken as 1"
+            " (False for booleans): fake tensors have no values."
+        )
+    if target == "cpu":
+        log, requests, reserved, workspace, expandable = fake.log, (), None, 0, False
+    else:
+        workspace = _workspace_bytes()
+        expandable = expandable_segments()
+        allocator = CachingAllocator(expandable=expandable)
+        log, requests = _on_cuda(fake, allocator, workspace)
+        reserved = allocator.reserved_peak
+    names = Names(fake.watcher)
+    variables = {-1: "cuBLAS workspace (forward)", -2: "cuBLAS workspace (backward)"}
+    run, replay = device_run(log, fake.watcher.marks, fake.stop, names, variables, TOP)
+    run = _relabel(run, target, reserved)
+    modules = module_peaks(
+        replay, fake.watcher.intervals, fake.watcher.modules, names.modules, fake.watcher.calls
+    )
+    modules = tuple(_relabel_module(m, target) for m in modules)
+    cuda = target == "cuda"
+    return Estimate(
+        device=target,
+        peak_bytes=run.peak_bytes,
+        reserved_bytes=run.peak_bytes if reserved is None else reserved,
+        categories=dict(run.categories_at_peak or {}),
+        modules=modules,
+        run=run,
+        context_bytes=CONTEXT_BYTES if cuda else 0,
+        workspace_bytes=workspace,
+        expandable_segments=expandable,
+        modelled=MODELLED if cuda else MODELLED[:1],
+        not_modelled=NOT_MODELLED if cuda else ("memory kernels allocate without a tensor",),
+        notes=tuple(notes),
+        seconds=time.perf_counter() - started,
+        function=getattr(fn, "__qualname__", repr(fn)),
+        requests=requests,
+    )
+
+
+def max_batch_size(
+    fn: Callable[..., Any],
+    capacity: int | float | str,
+    *args: Any,
+    device: str = "cuda",
+    **kwargs: Any,
+) -> int:
+    """The largest batch size b for which ``estimate(fn, b, *args, device=device,
+    **kwargs)`` :meth:`~Estimate.fits` `capacity` (bytes or a size string like
+    ``"80 GiB"``); 0 if not even a batch of 1 fits.
+
+    `fn` takes the batch size first. Memory is assumed to grow with the batch: two
+    estimates (batch 1, and 2 or the first doubling whose memory differs) give the bytes
+    per sample, secant steps move from there toward the edge, and a few more estimates
+    around it find the exact batch, so a search costs about ten estimates however large
+    the answer.
+    """
+    limit = parse_size(capacity)
+    _target(device)
+    found: dict[int, Estimate] = {}
+    verdicts: dict[int, bool] = {}
+
+    def fits(batch: int) -> bool:
+        if batch > MAX_BATCH:
+            raise EstimateError(f"no batch up to {MAX_BATCH} fills {capacity!r}")
+        if batch not in verdicts:
+            found[batch] = estimate(fn, batch, *args, device=device, **kwargs)
+            verdicts[batch] = found[batch].fits(limit)
+        return verdicts[batch]
+
+    def bracket() -> tuple[int, int]:
+        """The largest batch known to fit, and the smallest known not to."""
+        low = max(b for b, ok in verdicts.items() if ok)
+        high = min((b for b, ok in verdicts.items() if not ok), default=MAX_BATCH + 1)
+        return low, high
+
+    if not fits(1):
+        return 0
+    # Double the batch until the estimate grows (small batches may share one segment).
+    x0, x1 = 1, 2
+    while fits(x1) and found[x1].peak_bytes <= found[x0].peak_bytes:
+        if x1 >= 2**16:
+            raise EstimateError(
+                f"{found[1].function}'s estimate does not grow with the batch size"
+                f" ({found[1].peak_bytes} bytes at 1 and at {x1}): is the batch size"
+                " its first argument?"
+            )
+        x1 *= 2
+    # Secant steps on the peak toward the capacity less the overhead (segments, context)
+    # seen at the last batch: memory grows about linearly with the batch, so they land
+    # within a few batches of the edge.
+    for _ in range(6):
+        low, high = bracket()
+        y0, y1 = found[x0].peak_bytes, found[x1].peak_bytes
+        if y1 == y0 or high - low <= 1:
+            break
+        room = limit - (found[x1].needed_bytes - y1)
+        guess = min(max(x1 + (room - y1) * (x1 - x0) // (y1 - y0), low + 1), high - 1)
+        if guess in verdicts:
+            break
+        fits(guess)
+        x0, x1 = x1, guess
+    # Where no batch tried failed yet, double the step up until one does; then halve.
+    low, high = bracket()
+    step = 1
+    while high > MAX_BATCH and fits(low + step):
+        low, step = low + step, step * 2
+        low, high = bracket()
+    low, high = bracket()
+    while high - low > 1:
+        middle = (low + high) // 2
+        if fits(middle):
+            low = middle
+        else:
+            high = middle
+    return low
+
+
+def _target(device: str) -> str:
+    kind = str(device).split(":")[0]
+    if kind not in ("cuda", "cpu"):
+        raise ValueError(f"cannot estimate for device {device!r}: use 'cuda' or 'cpu'")
+    return kind
+
+
+def _workspace_bytes(config: str | None = None) -> int:
+    """Bytes of one cuBLAS workspace by ``CUBLAS_WORKSPACE_CONFIG`` (``:SIZE_KiB:COUNT``
+    pairs), by default :data:`CUBLAS_WORKSPACE_CONFIG`."""
+    if config is None:
+        config = os.environ.get("CUBLAS_WORKSPACE_CONFIG") or CUBLAS_WORKSPACE_CONFIG
+    numbers = [int(n) for n in config.split(":") if n.strip().isdigit()]
+    if not numbers or len(numbers) % 2:
+        raise ValueError(f"cannot read CUBLAS_WORKSPACE_CONFIG {config!r}: expected ':4096:8'")
+    return sum(size * 1024 * count for size, count in zip(numbers[::2], numbers[1::2]))
+
+
+def _on_cuda(
+    fake: FakeRun, allocator: CachingAllocator, workspace: int
+) -> tuple[Log, tuple[int, ...]]:
+    """The fake run's log as the caching allocator would serve it: each allocation the
+    size of its block, and cuBLAS's workspaces added (never freed, at addresses -1 and
+    -2); and the requests for :meth:`Estimate.fits`."""
+    rows = fake.log.events.tolist()
+    workspaces = dict(fake.matmuls)
+    out: list[list[int]] = []
+    requests: list[int] = []
+    moved: dict[int, int] = {}  # allocation row in the fake log -> its row here
+    blocks: dict[int, tuple[Any, int]] = {}  # row here -> (block, k: the k-th allocation)
+    allocations = 0
+
+    def allocate(when: int, address: int, nbytes: int, site: int) -> int:
+        nonlocal allocations
+        block = allocator.malloc(nbytes)
+        blocks[len(out)] = (block, allocations)
+        allocations += 1
+        requests.append(nbytes)
+        out.append([when, address, block.size, site, -1])
+        return len(out) - 1
+
+    for index in range(len(rows) + 1):
+        if index in workspaces:
+            when = rows[index][0] if index < len(rows) else fake.stop
+            allocate(when, -2 if workspaces[index] else -1, workspace, NO_SITE)
+        if index == len(rows):
+            break
+        when, address, nbytes, site, other = rows[index]
+        if nbytes > 0:
+            moved[index] = allocate(when, address, nbytes, site)
+            continue
+        block, request = blocks.pop(moved[other])
+        allocator.free(block)
+        out[moved[other]][4] = len(out)
+        requests.append(-(request + 1))
+        out.append([when, address, -block.size, NO_SITE, moved[other]])
+    events = torch.tensor(out, dtype=torch.int64).reshape(-1, 5)
+    log = Log("cpu", 0, fake.log.start, events, fake.log.sites)  # marks name "cpu"
+    return log, tuple(requests)
+
+
+def _replay(requests: Sequence[int], allocator: CachingAllocator) -> bool:
+    """Whether `allocator` serves every request without running out of memory."""
+    blocks = []
+    try:
+        for request in requests:
+            if request >= 0:
+                blocks.append(allocator.malloc(request))
+            else:
+                allocator.free(blocks[-request - 1])
+    except OutOfMemory:
+        return False
+    return True
+
+
+def _relabel(run: Any, device: str, reserved: int | None) -> Any:
+    import dataclasses
+
+    return dataclasses.replace(run, device=device, reserved_peak_bytes=reserved)
+
+
+def _relabel_module(module: Any, device: str) -> Any:
+    import dataclasses
+
+    return dataclasses.replace(module, device=device)

@@ -1,0 +1,49 @@
+"""An estimate's record: a step's memory on a device, from a run on fake tensors.
+
+Made by :func:`torchmem.estimate`; read by :mod:`torchmem.render.estimate`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torchmem.records.run import DeviceRun, ModulePeak
+
+
+@dataclass(frozen=True)
+class EstimateRecord:
+    """The memory a function needs on a device, estimated without that device."""
+
+    device: str
+    """The target: ``"cpu"`` (CPU tensors) or ``"cuda"`` (PyTorch's caching allocator)."""
+    peak_bytes: int
+    """The highest bytes allocated (``torch.cuda.max_memory_allocated()`` on CUDA: blocks
+    rounded as the caching allocator rounds them)."""
+    reserved_bytes: int
+    """CUDA: the caching allocator's highest reserved bytes (whole segments); CPU: the peak."""
+    categories: dict[str, int]
+    """Bytes of parameters, gradients, optimizer state, activations and other at the peak
+    (:data:`~torchmem.records.run.CATEGORIES`)."""
+    modules: tuple[ModulePeak, ...]
+    """Each module's highest bytes allocated during its forward calls and backward passes."""
+    run: DeviceRun
+    """The step on the target, as a recording shows it: the timeline (seconds of the run
+    on fake tensors), the lines and the largest allocations alive at the peak."""
+    context_bytes: int = 0
+    """CUDA: an allowance for the CUDA context (outside the allocator), which
+    :meth:`~torchmem.Estimate.fits` adds to the reserved bytes."""
+    workspace_bytes: int = 0
+    """CUDA: bytes of each cuBLAS workspace (one per thread that multiplies matrices:
+    the forward's and the backward's)."""
+    expandable_segments: bool = False
+    """CUDA: whether the model used expandable segments (``PYTORCH_CUDA_ALLOC_CONF``)."""
+    modelled: tuple[str, ...] = ()
+    """What the estimate accounts for, one phrase each."""
+    not_modelled: tuple[str, ...] = ()
+    """What it leaves out, one phrase each."""
+    notes: tuple[str, ...] = ()
+    """What the run on fake tensors could not do as on the device, one sentence each."""
+    seconds: float = 0.0
+    """How long the estimate took."""
+    function: str = ""
+    """The qualified name of the function estimated."""

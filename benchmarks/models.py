@@ -29,7 +29,10 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, vocab: int = 50257, context: int = 1024, dim: int = 768, layers: int = 12, heads: int = 12) -> None:
+    def __init__(
+        self, vocab: int = 50257, context: int = 1024, dim: int = 768, layers: int = 12
+    ) -> None:
+        heads = dim // 64
         super().__init__()
         self.tokens = nn.Embedding(vocab, dim)
         self.positions = nn.Embedding(context, dim)

@@ -130,12 +130,6 @@ if _typing.TYPE_CHECKING:
     from torchmem.courtesy import (
         Courtesy as Courtesy,
     )
-    from torchmem.estimator import (
-        Estimate as Estimate,
-        EstimateError as EstimateError,
-        estimate as estimate,
-        max_batch_size as max_batch_size,
-    )
     from torchmem.devices import (
         gpu_mem_allocate_mbs as gpu_mem_allocate_mbs,
         gpu_mem_get as gpu_mem_get,
@@ -158,6 +152,12 @@ if _typing.TYPE_CHECKING:
     from torchmem.errors import (
         TorchmemError as TorchmemError,
         TorchmemWarning as TorchmemWarning,
+    )
+    from torchmem.estimator import (
+        Estimate as Estimate,
+        EstimateError as EstimateError,
+        estimate as estimate,
+        max_batch_size as max_batch_size,
     )
     from torchmem.lines import (
         DEFAULT_COLUMNS as DEFAULT_COLUMNS,

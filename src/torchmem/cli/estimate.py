@@ -43,10 +43,14 @@ class EstimateCommand(Command):
         )
         parser.add_argument("target", metavar="MODULE:FUNCTION | SCRIPT")
         parser.add_argument("args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+        self._parser = parser
 
     def run(self, args: argparse.Namespace) -> int:
         from torchmem.estimator import EstimateError, estimate, max_batch_size
 
+        if not args.target.endswith(".py") and args.args:
+            # A function takes no arguments of its own: what follows it are options.
+            self._parser.parse_args([*args.args, args.target], namespace=args)
         fn, call_args = _target(args.target, args.args, args.batch)
         try:
             if args.capacity is not None:

@@ -168,9 +168,9 @@ def estimate(fn: Callable[..., Any], *args: Any, device: str = "cuda", **kwargs:
             f"{fake.reads} value(s) read from tensors (.item(), bool(t)) were taken as 1"
             " (False for booleans): fake tensors have no values."
         )
-    if target == "cpu":
-        log, requests, reserved, workspace, expandable = fake.log, (), None, 0, False
-    else:
+    log, reserved, workspace, expandable = fake.log, None, 0, False
+    requests: tuple[int, ...] = ()
+    if target == "cuda":
         workspace = _workspace_bytes()
         expandable = expandable_segments()
         allocator = CachingAllocator(expandable=expandable)
@@ -297,7 +297,7 @@ def _workspace_bytes(config: str | None = None) -> int:
     numbers = [int(n) for n in config.split(":") if n.strip().isdigit()]
     if not numbers or len(numbers) % 2:
         raise ValueError(f"cannot read CUBLAS_WORKSPACE_CONFIG {config!r}: expected ':4096:8'")
-    return sum(size * 1024 * count for size, count in zip(numbers[::2], numbers[1::2]))
+    return sum(size * 1024 * count for size, count in zip(numbers[::2], numbers[1::2], strict=True))
 
 
 def _on_cuda(

@@ -44,9 +44,7 @@ from torchmem.recorder.hooks import Watcher
 from torchmem.recorder.sources import NO_SITE, Log, is_user_file, user_prefixes
 
 aten = torch.ops.aten
-MATMULS = frozenset(
-    (aten.mm, aten.addmm, aten.bmm, aten.baddbmm, aten.addbmm, aten.mv, aten.addmv)
-)
+MATMULS = frozenset((aten.mm, aten.addmm, aten.bmm, aten.baddbmm, aten.addbmm, aten.mv, aten.addmv))
 """Operators that run in cuBLAS on a GPU (its workspace is allocated at the first one)."""
 _SCALAR = aten._local_scalar_dense.default
 
@@ -222,7 +220,7 @@ def _swaps_forgetting(mode: Any) -> Iterator[None]:
 
     def swap(first: torch.Tensor, second: torch.Tensor) -> None:
         forget_converted(mode)
-        original(first, second)
+        original(first, second)  # type: ignore[no-untyped-call]
 
     torch.utils.swap_tensors = swap
     try:

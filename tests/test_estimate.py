@@ -1,0 +1,242 @@
+"""torchmem.estimate and max_batch_size: a step's memory from one run on fake tensors."""
+
+from __future__ import annotations
+
+import gc
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import torchmem
+from torchmem.estimator import EstimateError, estimate, max_batch_size
+
+MIB = 2**20
+
+
+def mlp_step(batch: int, width: int = 4096) -> None:
+    """An MLP 1024-width-1024-10 training step with Adam (the issue's reference step)."""
+    model = nn.Sequential(
+        nn.Linear(1024, width), nn.ReLU(), nn.Linear(width, 1024), nn.ReLU(), nn.Linear(1024, 10)
+    )
+    optimizer = torch.optim.Adam(model.parameters())
+    x = torch.randn(batch, 1024)
+    y = torch.randint(0, 10, (batch,))
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+MLP_PARAMETERS = (1024 * 4096 + 4096 + 4096 * 1024 + 1024 + 1024 * 10 + 10) * 4
+
+
+def measured_cpu_peak(fn, *args) -> int:  # type: ignore[no-untyped-def]
+    gc.collect()
+    window = torchmem.meter("cpu").window()
+    try:
+        fn(*args)
+    finally:
+        peak = window.peak()
+        window.close()
+    return peak
+
+
+def test_cpu_estimate_equals_the_measured_cpu_peak_within_one_percent() -> None:
+    measured = measured_cpu_peak(mlp_step, 64)
+    estimated = estimate(mlp_step, 64, device="cpu")
+    assert estimated.device == "cpu"
+    assert abs(estimated.peak_bytes - measured) <= measured // 100
+    assert estimated.reserved_bytes == estimated.peak_bytes
+
+
+def test_parameters_at_the_peak_are_exact() -> None:
+    found = estimate(mlp_step, 64, device="cpu")
+    assert found.categories["parameters"] == MLP_PARAMETERS == 33_615_912
+    assert found.categories["gradients"] == MLP_PARAMETERS
+    assert found.categories["optimizer_state"] == 2 * MLP_PARAMETERS + 6 * 4  # + 6 float32 steps
+    assert sum(found.categories.values()) == found.peak_bytes
+
+
+def test_a_huge_batch_is_estimated_without_allocating_it() -> None:
+    ram = torchmem.meter("ram")
+    gc.collect()
+    before = ram.used()
+    found = estimate(mlp_step, 65_536, 8192, device="cpu")
+    grown = ram.used() - before
+    assert found.peak_bytes > 4 * 2**30
+    assert grown < 512 * MIB
+
+
+def test_cuda_estimate_is_block_rounded_with_whole_segments() -> None:
+    def two(batch: int) -> None:
+        small = torch.empty(1000, device="cuda")  # 4,000 B: a 4,096 B block, small pool
+        large = torch.empty(3 * MIB // 4, device="cuda")  # 3 MiB: a 20 MiB segment
+        del small, large
+
+    found = estimate(two, 1)
+    assert found.peak_bytes == 4096 + 3 * MIB
+    assert found.reserved_bytes == 2 * MIB + 20 * MIB
+    assert found.categories["other"] == found.peak_bytes
+
+
+def test_cuda_estimate_of_a_training_step() -> None:
+    found = estimate(mlp_step, 64)
+    assert found.reserved_bytes % (2 * MIB) == 0
+    assert found.peak_bytes % 512 == 0
+    assert found.workspace_bytes == 32 * MIB
+    held = {h.name: h for h in found.run.largest_at_peak}
+    assert held["cuBLAS workspace (forward)"].bytes == 32 * MIB
+    assert held["cuBLAS workspace (backward)"].bytes == 32 * MIB
+    assert found.categories["parameters"] == 33_616_384  # each of 6 tensors in 512 B blocks
+    assert found.needed_bytes <= found.reserved_bytes + found.context_bytes
+    assert found.fits(found.needed_bytes) and not found.fits(found.needed_bytes - 1)
+    assert [m.name for m in found.modules] == ["", "0", "1", "2", "3", "4"]
+    assert all(m.backward_peak_bytes for m in found.modules)
+
+
+def test_cuda_devices_and_autocast_are_read_as_the_fake_cpu() -> None:
+    dtypes = []
+
+    def step(batch: int) -> None:
+        model = nn.Linear(1024, 1024).cuda()
+        x = torch.randn(batch, 1024, device="cuda").to("cuda:0")
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y = model(x)
+        dtypes.append((x.device.type, y.dtype))
+        y.float().sum().backward()
+
+    found = estimate(step, 256)
+    assert dtypes == [("cpu", torch.bfloat16)]
+    # The weight (4 MiB), its bfloat16 copy (2 MiB) and its gradient (4 MiB) at least.
+    assert found.peak_bytes >= 10 * MIB
+    assert torch.autocast.__init__.__qualname__ == "autocast.__init__"  # restored
+
+
+def test_activation_checkpointing_lowers_the_peak_as_on_the_cpu() -> None:
+    def step(batch: int, checkpointed: bool) -> None:
+        layers = nn.Sequential(*[nn.Linear(512, 512) for _ in range(8)])
+        x = torch.randn(batch, 512, requires_grad=True)
+        y = checkpoint(layers, x, use_reentrant=False) if checkpointed else layers(x)
+        y.sum().backward()
+
+    plain = estimate(step, 4096, False, device="cpu")
+    saved = estimate(step, 4096, True, device="cpu")
+    assert saved.peak_bytes < plain.peak_bytes
+    # The real run's tensors, counted as they are made (the CPU's own scratch space,
+    # which the estimate leaves out, is not a tensor).
+    with torchmem.TensorMeter("cpu").window() as window:
+        step(4096, True)
+        measured = window.peak()
+    assert saved.peak_bytes == measured
+
+
+def test_a_value_read_is_one_and_noted() -> None:
+    def step(batch: int) -> None:
+        loss = torch.randn(batch).sum()
+        assert loss.item() == 1.0
+
+    found = estimate(step, 8, device="cpu")
+    assert found.notes and "1 value(s)" in found.notes[0]
+
+
+def test_an_operator_whose_shape_depends_on_values_is_named() -> None:
+    def step(batch: int) -> None:
+        torch.randn(batch).nonzero()
+
+    with pytest.raises(EstimateError, match=r"aten\.nonzero"):
+        estimate(step, 8)
+
+
+def test_errors_pass_through_and_hooks_go() -> None:
+    error = KeyError("mine")
+
+    def step(batch: int) -> None:
+        torch.randn(batch)
+        raise error
+
+    swap, init = torch.utils.swap_tensors, torch.autocast.__init__
+    with pytest.raises(KeyError) as raised:
+        estimate(step, 8)
+    assert raised.value is error
+    assert torch.utils.swap_tensors is swap and torch.autocast.__init__ is init
+    assert torchmem.meter("cpu").used() >= 0
+    torch.randn(4) + 1  # no mode left behind: a real tensor, real arithmetic
+    assert not torch.randn(2).is_meta
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "words"),
+    [
+        (lambda: estimate(mlp_step, 1, device="tpu"), ValueError, "'tpu'"),
+        (lambda: estimate(mlp_step, torch.zeros(2)), TypeError, "Tensor"),
+        (lambda: max_batch_size(mlp_step, "-1 GB"), ValueError, "-1 GB"),
+    ],
+)
+def test_bad_input_is_named(call, error, words) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(error, match=words):
+        call()
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"], ids=["on-cpu", "on-gpu-model"])
+def test_max_batch_size_finds_the_edge(device: str) -> None:
+    capacity = "1 GiB"
+    found = max_batch_size(mlp_step, capacity, device=device)
+    assert found > 1
+    assert estimate(mlp_step, found, device=device).fits(capacity)
+    assert not estimate(mlp_step, found + 1, device=device).fits(capacity)
+
+
+def test_max_batch_size_is_zero_when_nothing_fits() -> None:
+    assert max_batch_size(mlp_step, "100 MB", device="cpu") == 0
+
+
+def test_renderers() -> None:
+    found = estimate(mlp_step, 64)
+    text = str(found)
+    assert text.startswith("torchmem estimate: mlp_step on cuda")
+    assert "peak allocated  peak reserved  + CUDA context  = total" in text
+    assert "Not modelled:" in text and "cuDNN" in text
+    page = found._repr_html_()
+    assert "<svg" in page and "http" not in page.replace('xmlns="http://www.w3.org/2000/svg"', "")
+    frame = found.to_dataframe()
+    assert list(frame["what"])[:3] == ["peak", "reserved", "parameters"]
+    assert int(frame["bytes"][2]) == 33_616_384
+
+
+def test_command_line(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    (tmp_path / "steps.py").write_text(
+        textwrap.dedent(
+            """
+            import torch
+
+            def step(batch):
+                torch.empty(batch, 1024 * 1024, device="cuda")
+            """
+        )
+    )
+    run = subprocess.run(
+        [sys.executable, "-m", "torchmem", "estimate", "steps:step", "--batch", "3"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert run.returncode == 0, run.stderr
+    assert "torchmem estimate: step on cuda" in run.stdout
+    assert "12.00M" in run.stdout  # 3 x 4 MiB
+    run = subprocess.run(
+        [sys.executable, "-m", "torchmem", "estimate", "steps:step", "--capacity", "100 MiB"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert run.returncode == 0, run.stderr
+    # 100 MiB - 512 MiB context: nothing fits
+    assert run.stdout.strip() == "largest batch size that fits 100 MiB on cuda: 0"

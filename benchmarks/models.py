@@ -48,9 +48,12 @@ class GPT(nn.Module):
         return self.head(self.ln(x))
 
 
-def gpt2_step(batch: int, sequence: int = 1024, device: str = "cuda") -> None:
-    """One training step of GPT-2 small: forward, cross-entropy, backward, AdamW."""
-    model = GPT().to(device)
+def gpt2_step(
+    batch: int, sequence: int = 1024, layers: int = 12, dim: int = 768, device: str = "cuda"
+) -> None:
+    """One training step of GPT-2 small (smaller with fewer `layers` or a smaller `dim`):
+    forward, cross-entropy, backward, AdamW."""
+    model = GPT(context=sequence, dim=dim, layers=layers).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
     idx = torch.randint(0, 50257, (batch, sequence), device=device)
     logits = model(idx)

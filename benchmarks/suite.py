@@ -20,7 +20,7 @@ from types import ModuleType
 import psutil
 import torch
 
-from benchmarks import cells, lines, meters, peaks, reporter, run as run_command
+from benchmarks import cells, estimate, lines, meters, peaks, reporter, run as run_command
 from benchmarks.timing import table
 
 RESULTS = Path(__file__).with_name("RESULTS.md")
@@ -42,10 +42,14 @@ class Config:
     """Live tensors in the reporter case."""
     steps: int = 50
     """Training steps of the example script in the ``torchmem run`` case."""
+    layers: int = 12
+    """Transformer blocks of the GPT-2-small step in the estimator case."""
 
 
 FULL = Config()
-TINY = Config(repeat=1, line_repeat=1, scale=0.01, spike=2**26, sleep=0.01, tensors=200, steps=1)
+TINY = Config(
+    repeat=1, line_repeat=1, scale=0.01, spike=2**26, sleep=0.01, tensors=200, steps=1, layers=1
+)
 
 
 def sections(config: Config) -> Iterator[str]:
@@ -106,6 +110,10 @@ def sections(config: Config) -> Iterator[str]:
     yield "## 6. torchmem run\n\n" + doc(run_command)
     rows = run_command.measure(config.repeat, config.steps)
     yield table(rows) + "\n\n" + run_command.verdicts(rows)
+
+    yield "## 7. Estimator\n\n" + doc(estimate)
+    rows, facts = estimate.measure(config.repeat, config.layers, "80 GiB")
+    yield table(rows) + "\n\n" + estimate.verdicts(rows) + "\n\n" + facts
 
 
 def doc(module: ModuleType) -> str:

@@ -41,16 +41,21 @@ class EstimateCommand(Command):
         parser.add_argument(
             "--html", metavar="PATH", help="write the estimate as a self-contained HTML page"
         )
-        parser.add_argument("target", metavar="MODULE:FUNCTION | SCRIPT")
-        parser.add_argument("args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+        parser.add_argument(
+            "words", nargs=argparse.REMAINDER, metavar="MODULE:FUNCTION | SCRIPT [ARGS]"
+        )
         self._parser = parser
 
     def run(self, args: argparse.Namespace) -> int:
         from torchmem.estimator import EstimateError, estimate, max_batch_size
 
+        if not args.words:
+            raise CommandError("expected MODULE:FUNCTION or a .py script", exit_code=2)
+        args.target, args.args = args.words[0], args.words[1:]
         if not args.target.endswith(".py") and args.args:
             # A function takes no arguments of its own: what follows it are options.
             self._parser.parse_args([*args.args, args.target], namespace=args)
+            args.target, args.args = args.words[0], []
         fn, call_args = _target(args.target, args.args, args.batch)
         try:
             if args.capacity is not None:

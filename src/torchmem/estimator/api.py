@@ -10,6 +10,7 @@ product of the forward and of the backward pass.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -179,11 +180,11 @@ def estimate(fn: Callable[..., Any], *args: Any, device: str = "cuda", **kwargs:
     names = Names(fake.watcher)
     variables = {-1: "cuBLAS workspace (forward)", -2: "cuBLAS workspace (backward)"}
     run, replay = device_run(log, fake.watcher.marks, fake.stop, names, variables, TOP)
-    run = _relabel(run, target, reserved)
+    run = dataclasses.replace(run, device=target, reserved_peak_bytes=reserved)
     modules = module_peaks(
         replay, fake.watcher.intervals, fake.watcher.modules, names.modules, fake.watcher.calls
     )
-    modules = tuple(_relabel_module(m, target) for m in modules)
+    modules = tuple(dataclasses.replace(m, device=target) for m in modules)
     cuda = target == "cuda"
     return Estimate(
         device=target,
@@ -355,15 +356,3 @@ def _replay(requests: Sequence[int], allocator: CachingAllocator) -> bool:
     except OutOfMemory:
         return False
     return True
-
-
-def _relabel(run: Any, device: str, reserved: int | None) -> Any:
-    import dataclasses
-
-    return dataclasses.replace(run, device=device, reserved_peak_bytes=reserved)
-
-
-def _relabel_module(module: Any, device: str) -> Any:
-    import dataclasses
-
-    return dataclasses.replace(module, device=device)

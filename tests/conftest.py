@@ -14,6 +14,8 @@ import torch
 
 from standins import CudaStandIn, hide_gpus, isolated
 
+pytest_plugins = ("pytester",)  # the pytest plugin's tests run pytest
+
 if TYPE_CHECKING:
     from IPython.core.interactiveshell import InteractiveShell
 

@@ -32,9 +32,10 @@ COLLECTORS = {
     "torchmem.courtesy",
     "torchmem.recorder",
     "torchmem.estimator",
+    "torchmem.limits",
 }
 FRONT_ENDS = {"torchmem", "torchmem.__main__", "torchmem.notebook", "torchmem.cli"}
-FRONT_ENDS |= {"torchmem.restore"}
+FRONT_ENDS |= {"torchmem.restore", "torchmem.pytest_plugin"}
 MAX_LINES = 500
 
 

@@ -1,0 +1,283 @@
+"""The pytest plugin (entry point ``torchmem`` of ``pytest11``): memory limits for tests,
+and the tests with the highest peaks.
+
+- ``@pytest.mark.limit_memory("24 MB", device=None, setup=False)``: the test fails if its
+  peak rises above the limit over what was in use when it started.
+- ``@pytest.mark.limit_leaks("1 MB", device=None, setup=False)``: the test fails if that
+  much more stays in use after it returns (and ``gc.collect()``).
+- ``--torchmem``: measure every test and print the highest peaks per device
+  (``--torchmem-top N``); ``--torchmem-json PATH`` writes every test's numbers.
+
+It does nothing unless a test carries a marker or the run passes an option: importing it
+imports neither PyTorch nor the rest of torchmem. The hooks only measure and attach; the
+limits are :mod:`torchmem.limits`, the text :mod:`torchmem.render.limits`. Under
+pytest-xdist each worker measures its tests and sends the numbers with its reports, so
+the controller prints the summary and writes the JSON.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Generator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+from torchmem.records.limits import MARKERS
+
+if TYPE_CHECKING:
+    from torchmem.limits import Span
+    from torchmem.records.limits import Limit, Usage, Verdict
+
+MARKER_HELP = (
+    "limit_memory(limit, *, device=None, setup=False): fail the test if its peak on the"
+    " device (default: the current GPU, else CPU tensors; 'ram' for the process) rises more"
+    " than limit ('24 MB', '1.5 GiB', bytes) above what was in use when it started; setup=True"
+    " charges its fixtures too. See torchmem.limits.limit_memory.",
+    "limit_leaks(limit, *, device=None, setup=False): fail the test if, after it returns and"
+    " gc.collect(), more than limit stays in use on the device that was not in use before it."
+    " See torchmem.limits.limit_leaks.",
+)
+TOP = 5
+"""How many tests per device ``--torchmem`` lists by default."""
+JSON_VERSION = 1
+"""The version of the ``--torchmem-json`` file's layout."""
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("torchmem", "memory of tests (torchmem)")
+    group.addoption(
+        "--torchmem",
+        action="store_true",
+        default=False,
+        help="measure every test's peak memory per device (the current GPU, CPU tensors, the"
+        " process's RAM) and list the tests with the highest peaks at the end",
+    )
+    group.addoption(
+        "--torchmem-top",
+        type=int,
+        default=TOP,
+        metavar="N",
+        help=f"how many tests per device --torchmem lists (default: {TOP})",
+    )
+    group.addoption(
+        "--torchmem-json",
+        default=None,
+        metavar="PATH",
+        help="measure every test and write each one's start, peak and end bytes per device,"
+        " and its limits' verdicts, to PATH as JSON",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    for line in MARKER_HELP:
+        config.addinivalue_line("markers", line)
+    top = config.getoption("torchmem_top")
+    if top < 1:
+        raise pytest.UsageError(f"--torchmem-top must be at least 1, not {top}")
+    config.pluginmanager.register(Plugin(config), "torchmem-limits")
+
+
+@dataclass
+class _Test:
+    """One test's measurements, kept on its item from setup to teardown."""
+
+    limits: list[Limit]
+    spans: dict[str, Span] = field(default_factory=dict)
+    """Open spans by name: a limit's kind, or ``"summary"``."""
+    verdicts: list[Verdict] = field(default_factory=list)
+    """Verdicts not yet put on a report."""
+    usage: dict[str, Usage] = field(default_factory=dict)
+    """What the test body did on each device (``--torchmem``)."""
+    failed: bool = False
+    """Whether the test failed or errored by itself: its limits are then not judged."""
+
+    def open(self, name: str, span: Span) -> None:
+        span.start()
+        self.spans[name] = span
+
+    def close(self, name: str, *, judge: Limit | None = None, **stop: Any) -> None:
+        span = self.spans.pop(name, None)
+        if span is None:
+            return
+        span.stop(**stop)
+        if name == "summary":
+            self.usage = span.usage
+        if judge is not None and not self.failed:
+            self.verdicts.append(span.verdict(judge))
+
+
+_TEST = pytest.StashKey[_Test]()
+
+
+class Plugin:
+    """The plugin's state for one pytest run (one per process: the controller and each
+    xdist worker)."""
+
+    def __init__(self, config: pytest.Config) -> None:
+        self.path = config.getoption("torchmem_json")
+        self.summary = bool(config.getoption("torchmem"))
+        self.every = self.summary or self.path is not None
+        self.top: int = config.getoption("torchmem_top")
+        self.worker = hasattr(config, "workerinput")
+        self.results: dict[str, dict[str, Any]] = {}
+        """Per test id, what its reports carried (``--torchmem-json``'s ``tests``)."""
+        self._devices: list[str] = []
+
+    def devices(self) -> list[str]:
+        """The devices every test is measured on: the current GPU where there is one, CPU
+        tensors and the process's RAM."""
+        if not self._devices:
+            from torchmem.limits import device_name
+
+            self._devices = list(dict.fromkeys([device_name(None), "cpu", "ram"]))
+        return self._devices
+
+    @pytest.hookimpl(hookwrapper=True, trylast=True)
+    def pytest_runtest_setup(self, item: pytest.Item) -> Generator[None, Any, None]:
+        limits = _limits(item)
+        if not limits and not self.every:
+            yield
+            return
+        from torchmem.limits import Span
+
+        test = item.stash[_TEST] = _Test(limits)
+        for limit in limits:
+            if limit.setup:
+                test.open(limit.kind, _span(limit, Span))
+        outcome = yield
+        test.failed = outcome.excinfo is not None
+
+    @pytest.hookimpl(hookwrapper=True, trylast=True)
+    def pytest_runtest_call(self, item: pytest.Item) -> Generator[None, Any, None]:
+        test = item.stash.get(_TEST, None)
+        if test is None:
+            yield
+            return
+        from torchmem.limits import Span
+
+        ok = False
+        try:
+            for limit in test.limits:
+                if not limit.setup:
+                    test.open(limit.kind, _span(limit, Span))
+            if self.every:
+                test.open("summary", Span(self.devices() + [x.device for x in test.limits]))
+            outcome = yield
+            ok = outcome.excinfo is None
+        finally:
+            test.failed |= not ok
+            # The recording's log is a tensor: every other span ends before it is made.
+            for limit in test.limits:
+                if limit.kind == "limit_leaks" and not limit.setup:
+                    test.close(limit.kind, judge=limit, collect=True)
+            test.close("summary")
+            names = item.funcargs if isinstance(item, pytest.Function) else None
+            for limit in test.limits:
+                if limit.kind == "limit_memory":
+                    test.close(limit.kind, judge=limit, variables=names)
+
+    @pytest.hookimpl(hookwrapper=True, trylast=True)
+    def pytest_runtest_teardown(self, item: pytest.Item) -> Generator[None, Any, None]:
+        outcome = yield
+        test = item.stash.get(_TEST, None)
+        if test is None:
+            return
+        test.failed |= outcome.excinfo is not None
+        for name in list(test.spans):
+            # A leak limit with setup=True ends here; a span whose test never ran, too.
+            limit = next((x for x in test.limits if x.kind == name and x.setup), None)
+            test.close(name, judge=limit, collect=True)
+
+    @pytest.hookimpl(hookwrapper=True, tryfirst=True)
+    def pytest_runtest_makereport(self, item: pytest.Item) -> Generator[None, Any, None]:
+        # tryfirst: after pytest's own wrappers (xfail's) have made the report what it is.
+        outcome = yield
+        test = item.stash.get(_TEST, None)
+        if test is None:
+            return
+        report: pytest.TestReport = outcome.get_result()
+        verdicts, test.verdicts = test.verdicts, []
+        _fail(report, [v for v in verdicts if not v.passed])
+        if self.every:
+            usage = test.usage if report.when == "call" else {}
+            report.torchmem = {  # type: ignore[attr-defined]  # xdist sends it to the controller
+                "devices": {device: found.to_json() for device, found in usage.items()},
+                "limits": [v.to_json() for v in verdicts],
+            }
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        found = getattr(report, "torchmem", None)
+        if found is None or self.worker:
+            return
+        entry = self.results.setdefault(
+            report.nodeid, {"nodeid": report.nodeid, "outcome": None, "devices": {}, "limits": []}
+        )
+        entry["devices"].update(found["devices"])
+        entry["limits"] += found["limits"]
+        if report.when == "call":
+            entry["outcome"] = report.outcome
+        elif report.failed:
+            entry["outcome"] = "error"
+
+    def pytest_terminal_summary(self, terminalreporter: Any) -> None:
+        if not self.summary or self.worker:
+            return
+        from torchmem.records.limits import Usage
+        from torchmem.render.limits import summary
+
+        tests = [
+            (nodeid, {d: Usage(d, **numbers) for d, numbers in entry["devices"].items()})
+            for nodeid, entry in self.results.items()
+        ]
+        terminalreporter.write_sep("=", "torchmem: highest peaks")
+        terminalreporter.write(summary(tests, self.top))
+
+    def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        if self.path is None or self.worker:
+            return
+        document = {"version": JSON_VERSION, "tests": list(self.results.values())}
+        Path(self.path).write_text(json.dumps(document, indent=1) + "\n")
+
+
+def _limits(item: pytest.Item) -> list[Limit]:
+    """The limits `item` carries, read from its closest markers; a bad one fails it."""
+    markers = [m for m in map(item.get_closest_marker, MARKERS) if m is not None]
+    if not markers:
+        return []
+    from torchmem import limits
+
+    read = {"limit_memory": limits.limit_memory, "limit_leaks": limits.limit_leaks}
+    found = []
+    for marker in markers:
+        try:
+            found.append(read[marker.name](*marker.args, **marker.kwargs))
+        except (TypeError, ValueError) as exc:
+            error = f"@pytest.mark.{marker.name}: {exc}"
+            break
+    else:
+        return found
+    pytest.fail(error, pytrace=False)  # outside the except: no chained traceback
+
+
+def _span(limit: Limit, make: type[Span]) -> Span:
+    if limit.kind == "limit_memory":
+        return make([limit.device], record=limit.device)
+    return make([limit.device], tensors=limit.device)
+
+
+def _fail(report: pytest.TestReport, failed: list[Verdict]) -> None:
+    """Make a passing `report` fail with the `failed` verdicts' messages, and add what
+    explains each as a section."""
+    if not failed or not report.passed:
+        return
+    from torchmem.render.limits import explanation, failure
+
+    report.outcome = "failed"
+    report.longrepr = "\n".join(failure(v) for v in failed)
+    for verdict in failed:
+        section = explanation(verdict)
+        if section is not None:
+            report.sections.append(section)

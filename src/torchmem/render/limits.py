@@ -1,0 +1,108 @@
+"""The pytest plugin's text: why a test failed its limit, what explains it, and the summary
+of the tests with the highest peaks."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from torchmem.records.limits import Usage, Verdict
+from torchmem.render.run import details_text
+from torchmem.render.tensors import diff_text
+from torchmem.render.text import table
+from torchmem.units import readable_size
+
+SAMPLED = "~"
+"""Marks a peak that comes from sampling (the true peak may be higher)."""
+
+
+def _size(size: int, exact: bool = True) -> str:
+    return readable_size(size) if exact else SAMPLED + readable_size(size)
+
+
+def failure(verdict: Verdict) -> str:
+    """Why the test failed, in one line::
+
+    Test was limited to 1.00M but peaked at 4.00M on cpu (4,194,304 bytes above the
+    0.00B in use when it started)
+    """
+    limit, usage = verdict.limit, verdict.usage
+    began = "its setup started" if limit.setup else "it started"
+    if limit.kind == "limit_memory":
+        return (
+            f"Test was limited to {readable_size(limit.limit_bytes)} but peaked at"
+            f" {_size(usage.rise, usage.exact)} on {limit.device} ({usage.rise:,} bytes above"
+            f" the {readable_size(usage.start_bytes)} in use when {began})"
+        )
+    ended = "its teardown" if limit.setup else "it returned"
+    return (
+        f"Test was limited to leaking {readable_size(limit.limit_bytes)} but kept"
+        f" {readable_size(usage.kept)} on {limit.device} ({usage.kept:,} bytes more in use"
+        f" after {ended} and gc.collect() than when {began})"
+    )
+
+
+def explanation(verdict: Verdict) -> tuple[str, str] | None:
+    """The report section of a failed verdict, ``(title, text)``: for a peak, the lines,
+    largest allocations, categories and modules at the peak; for a leak, the tensors that
+    stayed. None where there is nothing to show (process RAM)."""
+    device = verdict.limit.device
+    if verdict.peak is not None:
+        blocks = details_text(verdict.peak, verdict.modules)
+        if not blocks:
+            return None
+        return f"torchmem: what held memory at the peak on {device}", "\n\n".join(blocks) + "\n"
+    if verdict.limit.kind == "limit_leaks" and device != "ram":
+        if verdict.stayed:
+            return f"torchmem: tensors that stayed on {device}", diff_text(verdict.stayed, ())
+        return (
+            f"torchmem: tensors that stayed on {device}",
+            "No tensor Python can reach stayed: the memory is held where gc cannot see it"
+            " (a C++ cache, a graph autograd keeps for a backward pass that never ran).\n",
+        )
+    return None
+
+
+def summary(tests: Sequence[tuple[str, Mapping[str, Usage]]], top: int) -> str:
+    """Per device, the `top` tests whose peak rose highest above what was in use when they
+    started, highest first (ties by test id, so that runs under xdist list alike)::
+
+        cpu: the 2 highest peaks of 3 tests
+             peak   start  test
+            4.00M   0.00B  test_big.py::test_four
+            1.00M  12.00K  test_big.py::test_one
+    """
+    by_device: dict[str, list[tuple[str, Usage]]] = {}
+    for name, usages in tests:
+        for device, usage in usages.items():
+            by_device.setdefault(device, []).append((name, usage))
+    blocks = []
+    for device in sorted(by_device, key=_device_order):
+        measured = by_device[device]
+        shown = sorted(measured, key=lambda found: (-found[1].rise, found[0]))[:top]
+        rows = [("peak", "start", "test")] + [
+            (_size(u.rise, u.exact), readable_size(u.start_bytes), name) for name, u in shown
+        ]
+        blocks.append(
+            "\n".join(
+                [_heading(device, len(shown), len(measured))]
+                + ["  " + line for line in table(rows, left=(2,))]
+            )
+        )
+    if not blocks:
+        return "No test was measured.\n"
+    note = "Peaks are bytes above what was in use when each test started"
+    if any(not u.exact for _, usages in tests for u in usages.values()):
+        note += f"; {SAMPLED} marks a sampled peak (the true one may be higher)"
+    return "\n\n".join(blocks) + f"\n\n{note}.\n"
+
+
+def _heading(device: str, shown: int, measured: int) -> str:
+    peaks = "the highest peak" if shown == 1 else f"the {shown} highest peaks"
+    return f"{device}: {peaks} of {measured} test{'' if measured == 1 else 's'}"
+
+
+def _device_order(device: str) -> tuple[int, str]:
+    """GPUs first, then CPU tensors and other devices, process RAM last."""
+    if device == "ram":
+        return 2, device
+    return (0 if ":" in device else 1), device

@@ -1,0 +1,133 @@
+"""The pytest plugin's pieces without pytest: reading limits, measuring a span, verdicts,
+and their text, in exact bytes and exact lines."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from torchmem.limits import Span, limit_leaks, limit_memory
+from torchmem.records.limits import Limit, Usage, Verdict
+from torchmem.render.limits import explanation, failure, summary
+
+MiB = 2**20
+KEPT: list[torch.Tensor] = []
+
+
+def test_a_limit_reads_sizes_as_powers_of_1024_and_defaults_to_cpu_without_a_gpu(
+    no_gpu: object,
+) -> None:
+    assert limit_memory("24 MB") == Limit("limit_memory", 24 * MiB, "cpu")
+    assert limit_memory("1.5 GiB", device="ram") == Limit("limit_memory", 1536 * MiB, "ram")
+    assert limit_leaks(4096, device="cpu:0", setup=True) == Limit("limit_leaks", 4096, "cpu", True)
+
+
+def test_a_span_measures_exact_bytes_and_judges_at_the_limit() -> None:
+    span = Span(["cpu"])
+    span.start()
+    a = torch.zeros(1024, 1024)
+    b = torch.zeros(256, 1024)
+    del a
+    KEPT.append(b)
+    span.stop(collect=True)
+    usage = span.usage["cpu"]
+    assert (usage.rise, usage.kept) == (5 * MiB, MiB)
+    assert span.verdict(Limit("limit_memory", 5 * MiB, "cpu")).passed  # at the limit: passes
+    assert not span.verdict(Limit("limit_memory", 5 * MiB - 1, "cpu")).passed
+    assert span.verdict(Limit("limit_leaks", MiB, "cpu")).passed
+    assert not span.verdict(Limit("limit_leaks", MiB - 1, "cpu")).passed
+    KEPT.clear()
+
+
+def test_a_failed_verdict_carries_its_explanation() -> None:
+    memory = Span(["cpu"], record="cpu")
+    leaks = Span(["cpu"], tensors="cpu")
+    memory.start()
+    leaks.start()
+    KEPT.append(torch.zeros(512, 1024))
+    leaks.stop(collect=True)
+    stayed = leaks.verdict(Limit("limit_leaks", 0, "cpu")).stayed
+    memory.stop()
+    peak = memory.verdict(Limit("limit_memory", 0, "cpu"))
+    assert [(r.shape, r.nbytes) for r in stayed] == [((512, 1024), 2 * MiB)]
+    assert peak.peak is not None
+    assert [h.bytes for h in peak.peak.largest_at_peak] == [2 * MiB]
+    assert memory.usage["cpu"].kept == leaks.usage["cpu"].kept == 2 * MiB  # not the log
+    KEPT.clear()
+
+
+def usage(device: str, start: int, peak: int, end: int, exact: bool = True) -> Usage:
+    return Usage(device, start, peak, end, exact)
+
+
+def test_failure_messages() -> None:
+    peak = Verdict(Limit("limit_memory", MiB, "cpu"), usage("cpu", 512, 512 + 4 * MiB, 512))
+    assert failure(peak) == (
+        "Test was limited to 1.00M but peaked at 4.00M on cpu (4,194,304 bytes above the"
+        " 512.00B in use when it started)"
+    )
+    sampled = Verdict(
+        Limit("limit_memory", MiB, "ram", setup=True), usage("ram", 0, 3 * MiB, 0, exact=False)
+    )
+    assert failure(sampled) == (
+        "Test was limited to 1.00M but peaked at ~3.00M on ram (3,145,728 bytes above the"
+        " 0.00B in use when its setup started)"
+    )
+    leak = Verdict(Limit("limit_leaks", 0, "cuda:1", setup=True), usage("cuda:1", 0, 0, 1536))
+    assert failure(leak) == (
+        "Test was limited to leaking 0.00B but kept 1.50K on cuda:1 (1,536 bytes more in use"
+        " after its teardown and gc.collect() than when its setup started)"
+    )
+
+
+def test_an_explanation_only_where_there_is_something_to_show() -> None:
+    ram = Verdict(Limit("limit_memory", 0, "ram"), usage("ram", 0, MiB, 0))
+    assert explanation(ram) is None
+    assert explanation(Verdict(Limit("limit_leaks", 0, "ram"), usage("ram", 0, MiB, MiB))) is None
+    unseen = Verdict(Limit("limit_leaks", 0, "cpu"), usage("cpu", 0, MiB, MiB))
+    assert explanation(unseen) == (
+        "torchmem: tensors that stayed on cpu",
+        "No tensor Python can reach stayed: the memory is held where gc cannot see it"
+        " (a C++ cache, a graph autograd keeps for a backward pass that never ran).\n",
+    )
+
+
+def test_the_summary_lists_the_highest_rises_per_device_gpus_first() -> None:
+    tests = [
+        ("t.py::a", {"cpu": usage("cpu", 0, MiB, 0), "ram": usage("ram", 100 * MiB, 120 * MiB, 0)}),
+        ("t.py::b", {"cpu": usage("cpu", 8 * MiB, 12 * MiB, 0)}),
+        ("t.py::c", {"cpu": usage("cpu", 0, 4 * MiB, 0), "cuda:0": usage("cuda:0", 0, 512, 0)}),
+        ("t.py::d", {"cpu": usage("cpu", 2 * MiB, MiB, 0)}),  # fell: a rise of 0
+    ]
+    assert summary(tests, top=2) == (
+        "cuda:0: the highest peak of 1 test\n"
+        "     peak  start  test\n"
+        "  512.00B  0.00B  t.py::c\n"
+        "\n"
+        "cpu: the 2 highest peaks of 4 tests\n"
+        "   peak  start  test\n"
+        "  4.00M  8.00M  t.py::b\n"
+        "  4.00M  0.00B  t.py::c\n"
+        "\n"
+        "ram: the highest peak of 1 test\n"
+        "    peak    start  test\n"
+        "  20.00M  100.00M  t.py::a\n"
+        "\n"
+        "Peaks are bytes above what was in use when each test started.\n"
+    )
+    sampled = [("t.py::a", {"ram": usage("ram", 0, MiB, 0, exact=False)})]
+    assert summary(sampled, top=5) == (
+        "ram: the highest peak of 1 test\n"
+        "    peak  start  test\n"
+        "  ~1.00M  0.00B  t.py::a\n"
+        "\n"
+        "Peaks are bytes above what was in use when each test started; ~ marks a sampled"
+        " peak (the true one may be higher).\n"
+    )
+    assert summary([], top=5) == "No test was measured.\n"
+
+
+@pytest.mark.parametrize("bad", ["lots", -1, True])
+def test_bad_limits_are_named(bad: object) -> None:
+    with pytest.raises(ValueError, match=f"invalid size {bad!r}"):
+        limit_memory(bad)  # type: ignore[arg-type]

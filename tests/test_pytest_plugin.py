@@ -1,0 +1,432 @@
+"""The pytest plugin, in real pytest runs (``pytester``): limits, their messages and
+sections, fixtures, the summary, the JSON, pytest-xdist, bad markers, and doing nothing
+when not asked.
+
+Subprocess runs see no GPU, and in-process runs hide it, so the default device is CPU
+tensors on every machine. In-process runs share this process's CPU meter: they assert
+rises and bytes kept, which are exact whatever else is alive.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from standins import environ_without_gpu
+from test_record import global_hooks
+from torchmem.meters import meter
+
+MiB = 2**20
+
+SIZES = """
+import pytest
+import torch
+
+KEPT = []
+
+
+@pytest.mark.limit_memory("1 MB")
+def test_four_over_one():
+    x = torch.zeros(1024, 1024)
+    del x
+
+
+@pytest.mark.limit_memory("8 MB")
+def test_four_under_eight():
+    x = torch.zeros(1024, 1024)
+    del x
+
+
+@pytest.mark.limit_leaks("1 MB")
+def test_keeps_four():
+    KEPT.append(torch.zeros(1024, 1024))
+
+
+@pytest.mark.limit_leaks("1 MB")
+def test_keeps_nothing():
+    x = torch.zeros(1024, 1024)
+    del x
+
+
+def test_plain():
+    KEPT.append(torch.zeros(2048, 1024))
+"""
+"""The issue's cases in one file: 4 MiB peaks and leaks under 1 MB and 8 MB limits."""
+
+OUTCOMES = {
+    "test_sizes.py::test_four_over_one": "FAILED",
+    "test_sizes.py::test_four_under_eight": "PASSED",
+    "test_sizes.py::test_keeps_four": "FAILED",
+    "test_sizes.py::test_keeps_nothing": "PASSED",
+    "test_sizes.py::test_plain": "PASSED",
+}
+
+
+@pytest.fixture
+def no_gpu_anywhere(monkeypatch: pytest.MonkeyPatch, no_gpu: object) -> None:
+    """No GPU in this process (in-process runs) or in subprocesses (subprocess runs)."""
+    for name, value in environ_without_gpu().items():
+        monkeypatch.setenv(name, value)
+
+
+def outcomes(result: pytest.RunResult) -> dict[str, str]:
+    """Each test's outcome, from the short summary of a run with ``-rA``."""
+    found = {}
+    for line in result.outlines:
+        match = re.match(r"(PASSED|FAILED|ERROR) (\S+::\S+)", line)
+        if match:
+            found[match[2]] = match[1]
+    return found
+
+
+def run(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
+    return pytester.runpytest_subprocess("-p", "no:cacheprovider", "-rA", *args)
+
+
+def run_here(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
+    return pytester.runpytest_inprocess("-p", "no:cacheprovider", "-rA", *args)
+
+
+@pytest.mark.slow
+def test_the_issue_cases_in_a_subprocess_alone_and_under_xdist(
+    pytester: pytest.Pytester, no_gpu_anywhere: None
+) -> None:
+    pytester.makepyfile(test_sizes=SIZES)
+    alone = run(pytester, "--torchmem")
+    assert outcomes(alone) == OUTCOMES
+    alone.stdout.fnmatch_lines(
+        [
+            "*_ test_four_over_one _*",
+            "Test was limited to 1.00M but peaked at 4.00M on cpu (4,194,304 bytes above the"
+            " 0.00B in use when it started)",
+            "*_ test_keeps_four _*",
+            "Test was limited to leaking 1.00M but kept 4.00M on cpu (4,194,304 bytes more in"
+            " use after it returned and gc.collect() than when it started)",
+            "*= torchmem: highest peaks =*",
+            "cpu: the 5 highest peaks of 5 tests",
+            "   peak  start  test",
+            "  8.00M  4.00M  test_sizes.py::test_plain",
+            "  4.00M  0.00B  test_sizes.py::test_four_over_one",
+            "  4.00M  0.00B  test_sizes.py::test_four_under_eight",
+            "  4.00M  0.00B  test_sizes.py::test_keeps_four",
+            "  4.00M  4.00M  test_sizes.py::test_keeps_nothing",
+            "ram: the 5 highest peaks of 5 tests",
+        ]
+    )
+    two = run(pytester, "--torchmem", "-n", "2")
+    assert outcomes(two) == OUTCOMES
+    two.stdout.fnmatch_lines(
+        [
+            "Test was limited to 1.00M but peaked at 4.00M on cpu (4,194,304 bytes above the"
+            " * in use when it started)",
+            "Test was limited to leaking 1.00M but kept 4.00M on cpu *",
+            "*= torchmem: highest peaks =*",
+            "cpu: the 5 highest peaks of 5 tests",
+            "   peak  start  test",
+            "  8.00M  *  test_sizes.py::test_plain",
+            "  4.00M  *  test_sizes.py::test_four_over_one",
+        ]
+    )
+
+
+@pytest.mark.slow
+def test_without_a_marker_or_option_nothing_is_imported_or_measured(
+    pytester: pytest.Pytester, no_gpu_anywhere: None
+) -> None:
+    pytester.makepyfile(
+        """
+        import sys
+
+        def test_plain():
+            assert "torch" not in sys.modules
+            assert "torchmem.limits" not in sys.modules
+        """
+    )
+    result = run(pytester)
+    assert result.ret == 0
+    result.stdout.fnmatch_lines(["plugins:*torchmem-*"])  # loaded, and silent:
+    result.stdout.no_fnmatch_line("*torchmem:*")
+
+
+def test_a_failure_says_what_held_memory_at_the_peak(
+    pytester: pytest.Pytester, no_gpu_anywhere: None
+) -> None:
+    pytester.makepyfile(
+        test_peak="""
+        import pytest
+        import torch
+
+        @pytest.mark.limit_memory("5 MB")
+        def test_two_tensors():
+            a = torch.zeros(1024, 1024)
+            b = torch.zeros(512, 1024)
+            del a, b
+        """
+    )
+    result = run_here(pytester)
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "Test was limited to 5.00M but peaked at 6.00M on cpu (6,291,456 bytes above the"
+            " * in use when it started)",
+            "*- torchmem: what held memory at the peak on cpu -*",
+            "Allocation sites alive at the peak on cpu:",
+            "  4.00M  */test_peak.py:6  test_two_tensors",
+            "  2.00M  */test_peak.py:7  test_two_tensors",
+            "Largest allocations alive at the peak on cpu:",
+            "  4.00M  Tensor@test_peak.py:6  other*",
+            "  2.00M  Tensor@test_peak.py:7  other*",
+        ]
+    )
+
+
+def test_a_leak_lists_the_tensors_that_stayed(
+    pytester: pytest.Pytester, no_gpu_anywhere: None
+) -> None:
+    pytester.makepyfile(
+        test_leak="""
+        import pytest
+        import torch
+
+        CACHE = {}
+
+        @pytest.mark.limit_leaks(0)
+        def test_caches():
+            CACHE["weights"] = torch.zeros(256, 1024)
+            torch.zeros(1024, 1024)  # freed at once: not a leak
+        """
+    )
+    result = run_here(pytester)
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "Test was limited to leaking 0.00B but kept 1.00M on cpu (1,048,576 bytes more *",
+            "*- torchmem: tensors that stayed on cpu -*",
+            "Element type*Size*Used MEM",
+            "+ Tensor* ?cpu?*(256, 1024)*1.00M",
+            "Appeared: 1 (1.00M) *",
+        ]
+    )
+
+
+FIXTURES = """
+import pytest
+import torch
+
+LEAKED = []
+
+
+@pytest.fixture
+def weights():
+    return torch.zeros(1024, 1024)
+
+
+@pytest.fixture
+def leaky():
+    LEAKED.append(torch.zeros(1024, 1024))
+
+
+@pytest.mark.limit_memory("1 MB")
+def test_body_only(weights):
+    assert weights.sum() == 0
+
+
+@pytest.mark.limit_memory("1 MB", setup=True)
+def test_with_setup(weights):
+    pass
+
+
+@pytest.mark.limit_leaks("1 MB")
+def test_fixture_is_no_leak(weights):
+    pass
+
+
+@pytest.mark.limit_leaks("1 MB", setup=True)
+def test_leaky_fixture(leaky):
+    pass
+"""
+
+
+def test_fixtures_are_charged_only_when_asked(
+    pytester: pytest.Pytester, no_gpu_anywhere: None
+) -> None:
+    pytester.makepyfile(test_fixtures=FIXTURES)
+    result = run_here(pytester)
+    assert outcomes(result) == {
+        "test_fixtures.py::test_body_only": "PASSED",
+        "test_fixtures.py::test_with_setup": "FAILED",
+        "test_fixtures.py::test_fixture_is_no_leak": "PASSED",
+        # The body passed; the teardown errs: the leak is known only after it.
+        "test_fixtures.py::test_leaky_fixture": "ERROR",
+    }
+    result.assert_outcomes(passed=3, failed=1, errors=1)
+    result.stdout.fnmatch_lines(
+        [
+            "*ERROR at teardown of test_leaky_fixture*",
+            "Test was limited to leaking 1.00M but kept 4.00M on cpu (4,194,304 bytes more in"
+            " use after its teardown and gc.collect() than when its setup started)",
+            "*_ test_with_setup _*",
+            "Test was limited to 1.00M but peaked at 4.00M on cpu (* above the * in use when"
+            " its setup started)",
+        ]
+    )
+
+
+def test_a_test_that_fails_by_itself_keeps_its_own_failure(
+    pytester: pytest.Pytester, no_gpu_anywhere: None
+) -> None:
+    pytester.makepyfile(
+        test_own="""
+        import pytest
+        import torch
+
+        @pytest.mark.limit_memory(0)
+        @pytest.mark.limit_leaks(0)
+        def test_raises():
+            x = torch.zeros(1024)
+            raise ValueError("the test's own")
+        """
+    )
+    result = run_here(pytester)
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["E * ValueError: the test's own"])
+    result.stdout.no_fnmatch_line("*Test was limited*")
+
+
+@pytest.mark.parametrize(
+    ("marker", "error"),
+    [
+        ('limit_memory("lots")', "@pytest.mark.limit_memory: invalid size 'lots': *"),
+        ("limit_memory(-1)", "@pytest.mark.limit_memory: invalid size -1: *"),
+        (
+            "limit_leaks()",
+            "@pytest.mark.limit_leaks: limit_leaks() missing 1 required positional argument:"
+            " 'limit'",
+        ),
+        ('limit_memory("1 MB", device="tpu")', "@pytest.mark.limit_memory: invalid device 'tpu'*"),
+        ('limit_memory("1 MB", setup="yes")', "@pytest.mark.limit_memory: invalid setup 'yes'*"),
+        (
+            'limit_memory("1 MB", devcie="cpu")',
+            "*limit_memory() got an unexpected keyword argument 'devcie'",
+        ),
+    ],
+)
+def test_a_bad_marker_errs_with_its_value_named(
+    pytester: pytest.Pytester, marker: str, error: str
+) -> None:
+    pytester.makepyfile(
+        f"""
+        import pytest
+
+        @pytest.mark.{marker}
+        def test_marked():
+            pass
+        """
+    )
+    result = run_here(pytester)
+    result.assert_outcomes(errors=1)
+    result.stdout.fnmatch_lines([error])
+    result.stdout.no_fnmatch_line("*Traceback*")
+
+
+def test_the_json_file_has_every_test_in_bytes(
+    pytester: pytest.Pytester, no_gpu_anywhere: None
+) -> None:
+    pytester.makepyfile(test_sizes=SIZES)
+    result = run_here(pytester, "--torchmem-json", "memory.json")
+    assert outcomes(result) == OUTCOMES
+    result.stdout.no_fnmatch_line("*torchmem: highest peaks*")  # --torchmem prints it
+    document = json.loads((pytester.path / "memory.json").read_text())
+    assert document["version"] == 1
+    tests = {test["nodeid"]: test for test in document["tests"]}
+    assert list(tests) == list(OUTCOMES)
+    over = tests["test_sizes.py::test_four_over_one"]
+    assert over["outcome"] == "failed"
+    assert set(over["devices"]) == {"cpu", "ram"}
+    cpu = over["devices"]["cpu"]
+    assert (cpu["peak_bytes"] - cpu["start_bytes"], cpu["end_bytes"] - cpu["start_bytes"]) == (
+        4 * MiB,
+        0,
+    )
+    assert over["limits"] == [
+        {
+            "marker": "limit_memory",
+            "device": "cpu",
+            "limit_bytes": MiB,
+            "measured_bytes": 4 * MiB,
+            "setup": False,
+            "passed": False,
+        }
+    ]
+    plain = tests["test_sizes.py::test_plain"]
+    assert plain["outcome"] == "passed" and plain["limits"] == []
+    cpu = plain["devices"]["cpu"]
+    assert cpu["end_bytes"] - cpu["start_bytes"] == 8 * MiB
+    assert tests["test_sizes.py::test_keeps_nothing"]["limits"][0]["measured_bytes"] == 0
+
+
+def test_summary_top_n_and_a_bad_n(pytester: pytest.Pytester, no_gpu_anywhere: None) -> None:
+    pytester.makepyfile(test_sizes=SIZES)
+    result = run_here(pytester, "--torchmem", "--torchmem-top", "1")
+    result.stdout.fnmatch_lines(
+        [
+            "cpu: the highest peak of 5 tests",
+            "*peak*start  test",
+            "  8.00M  *  test_sizes.py::test_plain",
+            "",
+            "ram: the highest peak of 5 tests",
+        ]
+    )
+    bad = run_here(pytester, "--torchmem", "--torchmem-top", "0")
+    assert bad.ret == pytest.ExitCode.USAGE_ERROR
+    bad.stderr.fnmatch_lines(["*--torchmem-top must be at least 1, not 0*"])
+
+
+def test_process_ram_is_a_device(pytester: pytest.Pytester, no_gpu_anywhere: None) -> None:
+    pytester.makepyfile(
+        test_ram="""
+        import numpy
+        import pytest
+
+        @pytest.mark.limit_memory("1 MB", device="ram")
+        def test_touches_64_mib():
+            buffer = numpy.ones(64 * 2**20, dtype=numpy.uint8)
+            del buffer
+
+        @pytest.mark.limit_memory("1 GB", device="ram")
+        def test_small():
+            bytearray(2**20)
+        """
+    )
+    result = run_here(pytester)
+    assert outcomes(result) == {
+        "test_ram.py::test_touches_64_mib": "FAILED",
+        "test_ram.py::test_small": "PASSED",
+    }
+    result.stdout.fnmatch_lines(["Test was limited to 1.00M but peaked at 6*M on ram (*"])
+    result.stdout.no_fnmatch_line("*torchmem: what held memory*")
+
+
+def test_an_interrupt_leaves_no_window_or_hook_behind(
+    pytester: pytest.Pytester, no_gpu_anywhere: None
+) -> None:
+    before = global_hooks()
+    pytester.makepyfile(
+        """
+        import pytest
+        import torch
+
+        @pytest.mark.limit_memory("1 MB", setup=True)
+        @pytest.mark.limit_leaks("1 MB")
+        def test_interrupted():
+            x = torch.zeros(1024)
+            raise KeyboardInterrupt
+        """
+    )
+    result = run_here(pytester, "--torchmem")
+    assert result.ret == pytest.ExitCode.INTERRUPTED
+    assert global_hooks() == before
+    for device in ("cpu", "ram"):
+        assert not [ref for ref in meter(device)._windows.values() if ref() is not None]

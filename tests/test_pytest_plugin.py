@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import json
 import re
+import sys
+import types
 
 import pytest
 
-from standins import environ_without_gpu
+from standins import CudaStandIn, GiB, StandInGpu, environ_without_gpu, gpu_uuid
 from test_record import global_hooks
 from torchmem.meters import meter
 
@@ -430,3 +432,101 @@ def test_an_interrupt_leaves_no_window_or_hook_behind(
     assert global_hooks() == before
     for device in ("cpu", "ram"):
         assert not [ref for ref in meter(device)._windows.values() if ref() is not None]
+
+
+GPU_TESTS = """
+import pytest
+from the_gpu import cuda
+
+KEPT = 4 * 2**20
+
+
+@pytest.mark.limit_leaks("1 MB")
+def test_keeps_four_on_the_gpu():
+    cuda.alloc(0, KEPT)
+
+
+def test_spikes_eight():
+    cuda.spike(0, 8 * 2**20)
+"""
+
+
+def test_the_default_device_is_the_current_gpu(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, isolated_meters: None
+) -> None:
+    """Wiring, through the stand-in for ``torch.cuda``: no marker names a device, and the
+    limit and the summary measure cuda:0 (the leak's explanation finds no tensor: the
+    stand-in's memory has none)."""
+    gpus = [StandInGpu(gpu_uuid(0), total=16 * GiB)]
+    cuda = CudaStandIn(gpus).install(monkeypatch, environ=False)
+    monkeypatch.setitem(sys.modules, "the_gpu", types.SimpleNamespace(cuda=cuda))
+    pytester.makepyfile(test_gpu=GPU_TESTS)
+    result = run_here(pytester, "--torchmem")
+    assert outcomes(result) == {
+        "test_gpu.py::test_keeps_four_on_the_gpu": "FAILED",
+        "test_gpu.py::test_spikes_eight": "PASSED",
+    }
+    result.stdout.fnmatch_lines(
+        [
+            "Test was limited to leaking 1.00M but kept 4.00M on cuda:0 (4,194,304 bytes *",
+            "*- torchmem: tensors that stayed on cuda:0 -*",
+            "No tensor Python can reach stayed*",
+            "*= torchmem: highest peaks =*",
+            "cuda:0: the 2 highest peaks of 2 tests",
+            "   peak  start  test",
+            "  8.00M  4.00M  test_gpu.py::test_spikes_eight",
+            "  4.00M  0.00B  test_gpu.py::test_keeps_four_on_the_gpu",
+            "",
+            "cpu: the 2 highest peaks of 2 tests",
+        ]
+    )
+
+
+@pytest.mark.cuda
+def test_a_real_gpu_limit_names_the_line_that_allocated(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(
+        test_real="""
+        import pytest
+        import torch
+
+        @pytest.mark.limit_memory("1 MB")
+        def test_four_mib():
+            x = torch.zeros(1024, 1024, device="cuda")
+            del x
+        """
+    )
+    result = run(pytester)
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "Test was limited to 1.00M but peaked at 4.00M on cuda:0 (4,194,304 bytes *",
+            "*- torchmem: what held memory at the peak on cuda:0 -*",
+            "*test_real.py:6*",
+        ]
+    )
+
+
+def test_both_limits_on_a_model_run_and_no_false_leak(
+    pytester: pytest.Pytester, no_gpu_anywhere: None
+) -> None:
+    """The peak's recording keeps the models it saw and makes a log: neither may count
+    as a leak, nor in the summary's end."""
+    pytester.makepyfile(
+        test_model="""
+        import pytest
+        import torch
+
+        @pytest.mark.limit_memory("1 GB")
+        @pytest.mark.limit_leaks(0)
+        def test_forward():
+            model = torch.nn.Linear(1024, 1024)
+            y = model(torch.randn(4096, 1024)).relu()
+            assert y.shape == (4096, 1024)
+        """
+    )
+    result = run_here(pytester, "--torchmem-json", "memory.json")
+    result.assert_outcomes(passed=1)
+    [test] = json.loads((pytester.path / "memory.json").read_text())["tests"]
+    cpu = test["devices"]["cpu"]
+    assert cpu["end_bytes"] - cpu["start_bytes"] == 0
+    assert [limit["measured_bytes"] for limit in test["limits"]] == [52 * MiB + 4096, 0]

@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import threading
+import weakref
 
 import pytest
 import torch
@@ -214,6 +215,17 @@ def global_hooks() -> tuple[int, ...]:
         len(optimizer._global_optimizer_pre_hooks),
         len(optimizer._global_optimizer_post_hooks),
     )
+
+
+def test_a_forward_pass_without_a_backward_pass_is_freed_at_once() -> None:
+    """relu saves its own output for the backward pass: had the recording's hook kept that
+    output as it is, the output would hold its own graph, a cycle gc cannot break."""
+    model = nn.Linear(8, 8)
+    with record():
+        output = model(torch.randn(2, 8)).relu()
+        alive = weakref.ref(output)
+        del output
+        assert alive() is None
 
 
 def test_an_exception_passes_through_and_every_hook_is_removed() -> None:

@@ -77,6 +77,10 @@ class Span:
             line), so that a peak over a limit can say what held the memory.
         tensors: a device whose live tensors are listed at the start, so that a leak can
             say which tensors stayed.
+
+    ``start()``, then ``stop(limits)``, which returns their verdicts. Where several spans
+    end together, :meth:`freeze` them all first: stopping a recording makes its log, a
+    tensor, which no other span's peak should see.
     """
 
     def __init__(
@@ -90,8 +94,12 @@ class Span:
         self._tensors = None if tensors in (None, "ram") else tensors
         self._before: list[TensorRecord] = []
 
-    def start(self) -> None:
-        """Open the windows (and the recording, and list the tensors)."""
+    def start(self, *, collect: bool = False) -> None:
+        """Open the windows (and the recording, and list the tensors); with `collect`, run
+        ``gc.collect()`` first, so that garbage left by earlier code is not freed during
+        the span, which would hide as much of a leak."""
+        if collect:
+            gc.collect()
         if self._tensors is not None:
             self._before = MemReporter().snapshot(self._tensors)
         try:
@@ -100,43 +108,58 @@ class Span:
             if self._recording is not None:
                 self._recording.start()
         except BaseException:
-            self._close()
+            self._release()
             raise
 
-    def stop(self, *, collect: bool = False, variables: Mapping[str, object] | None = None) -> None:
-        """Close the span and fill :attr:`usage`. Ask for :meth:`verdict` before anything
-        else runs: a failed leak lists the tensors alive then.
+    def freeze(self) -> None:
+        """Fix every peak here: close the windows (the recording goes on)."""
+        for window in self._windows.values():
+            window.close()
+
+    def stop(
+        self,
+        limits: Iterable[Limit] = (),
+        *,
+        collect: bool = False,
+        variables: Mapping[str, object] | None = None,
+    ) -> list[Verdict]:
+        """End the span, fill :attr:`usage`, and judge `limits` (of this span's devices).
 
         Args:
+            limits: the limits to hold against what this span measured.
             collect: run ``gc.collect()`` before reading the bytes in use at the end.
             variables: names for the tensors the recording saw (a test's fixture values).
+
+        Returns:
+            A verdict per limit; a failed one carries what explains it (the recording's
+            peak, or the tensors that stayed).
         """
         try:
-            # Every reading before the recording stops: its log is a tensor of its own.
-            peaks = {device: window.peak() for device, window in self._windows.items()}
+            self.freeze()
             if collect:
                 gc.collect()
             for device, window in self._windows.items():
                 used = window.meter.used()
-                self.usage[device] = Usage(
-                    device, window.start, max(peaks[device], used), used, window.meter.exact
-                )
+                peak = max(window.peak(), used)
+                self.usage[device] = Usage(device, window.start, peak, used, window.meter.exact)
             if self._recording is not None:
                 self._recording.stop(variables)
+            return [self._verdict(limit) for limit in limits]
         finally:
-            self._close()
+            self._release()
 
-    def _close(self) -> None:
+    def _release(self) -> None:
+        """Close the windows, stop the recording, and drop it and the tensors' list: what
+        the recording keeps (its log, the models it saw) must not outlive the span."""
         try:
-            for window in self._windows.values():
-                window.close()
+            self.freeze()
         finally:
             if self._recording is not None:
                 self._recording.stop()
+            self._recording = None
+            self._before = []
 
-    def verdict(self, limit: Limit) -> Verdict:
-        """`limit` held against this span's measurement of its device; a failed verdict
-        carries what explains it (the recording's peak, or the tensors that stayed)."""
+    def _verdict(self, limit: Limit) -> Verdict:
         found = Verdict(limit, self.usage[limit.device])
         if found.passed:
             return found

@@ -95,18 +95,18 @@ class _Test:
     """Whether the test failed or errored by itself: its limits are then not judged."""
 
     def open(self, name: str, span: Span) -> None:
-        span.start()
+        span.start(collect=name == "limit_leaks")
         self.spans[name] = span
 
-    def close(self, name: str, *, judge: Limit | None = None, **stop: Any) -> None:
+    def close(self, name: str, **stop: Any) -> None:
+        """Stop span `name`, if open, and judge its limit unless the test failed."""
         span = self.spans.pop(name, None)
         if span is None:
             return
-        span.stop(**stop)
+        judged = [x for x in self.limits if x.kind == name and not self.failed]
+        self.verdicts += span.stop(judged, **stop)
         if name == "summary":
             self.usage = span.usage
-        if judge is not None and not self.failed:
-            self.verdicts.append(span.verdict(judge))
 
 
 _TEST = pytest.StashKey[_Test]()
@@ -169,15 +169,15 @@ class Plugin:
             ok = outcome.excinfo is None
         finally:
             test.failed |= not ok
-            # The recording's log is a tensor: every other span ends before it is made.
-            for limit in test.limits:
-                if limit.kind == "limit_leaks" and not limit.setup:
-                    test.close(limit.kind, judge=limit, collect=True)
-            test.close("summary")
+            later = {x.kind for x in test.limits if x.kind == "limit_leaks" and x.setup}
+            for name, span in test.spans.items():
+                if name not in later:
+                    span.freeze()  # before the recording's log and report are made
             names = item.funcargs if isinstance(item, pytest.Function) else None
-            for limit in test.limits:
-                if limit.kind == "limit_memory":
-                    test.close(limit.kind, judge=limit, variables=names)
+            test.close("limit_memory", variables=names)  # frees what its recording kept
+            if "limit_leaks" not in later:
+                test.close("limit_leaks", collect=True)
+            test.close("summary")
 
     @pytest.hookimpl(hookwrapper=True, trylast=True)
     def pytest_runtest_teardown(self, item: pytest.Item) -> Generator[None, Any, None]:
@@ -186,10 +186,9 @@ class Plugin:
         if test is None:
             return
         test.failed |= outcome.excinfo is not None
+        # A leak limit with setup=True ends here; so does any span of a test that never ran.
         for name in list(test.spans):
-            # A leak limit with setup=True ends here; a span whose test never ran, too.
-            limit = next((x for x in test.limits if x.kind == name and x.setup), None)
-            test.close(name, judge=limit, collect=True)
+            test.close(name, collect=True)
 
     @pytest.hookimpl(hookwrapper=True, tryfirst=True)
     def pytest_runtest_makereport(self, item: pytest.Item) -> Generator[None, Any, None]:

@@ -236,7 +236,10 @@ class Watcher:
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
         stack = getattr(self._local, "stack", None)
         self.mark(tensor, ACTIVATIONS, ("saved", stack[-1][0]) if stack else None)
-        return tensor
+        # Not the tensor itself: a saved output (relu's, softmax's) would then hold its own
+        # graph, a cycle through C++ that gc cannot break, and a forward pass without a
+        # backward pass would never be freed. A detached alias shares storage and version.
+        return tensor.detach()
 
     def _close(self, backward: _Backward) -> None:
         """Remove `backward`'s hooks; keep its interval if it ran."""

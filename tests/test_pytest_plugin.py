@@ -530,3 +530,31 @@ def test_both_limits_on_a_model_run_and_no_false_leak(
     cpu = test["devices"]["cpu"]
     assert cpu["end_bytes"] - cpu["start_bytes"] == 0
     assert [limit["measured_bytes"] for limit in test["limits"]] == [52 * MiB + 4096, 0]
+
+
+def test_a_test_that_records_itself_is_explained_all_the_same(
+    pytester: pytest.Pytester, no_gpu_anywhere: None
+) -> None:
+    pytester.makepyfile(
+        test_nested="""
+        import pytest
+        import torch
+        import torchmem
+
+        @pytest.mark.limit_memory("1 MB")
+        def test_records():
+            with torchmem.record("cpu") as rec:
+                x = torch.zeros(1024, 1024)
+                del x
+            assert rec.report().devices["cpu"].peak_bytes >= 4 * 2**20
+        """
+    )
+    result = run_here(pytester)
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "Test was limited to 1.00M but peaked at 4.00M on cpu *",
+            "Allocation sites alive at the peak on cpu:",
+            "  4.00M  */test_nested.py:8  test_records",
+        ]
+    )

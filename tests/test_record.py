@@ -217,6 +217,32 @@ def global_hooks() -> tuple[int, ...]:
     )
 
 
+def test_recordings_nest_and_overlap_each_seeing_its_own_span() -> None:
+    """``torchmem.record()`` inside ``torchmem run``, or inside a test the pytest plugin
+    records: one log, shared."""
+    here = sys._getframe().f_lineno
+    with record() as outer:
+        a = torch.zeros(1024, 1024)  # here + 2
+        with record() as inner:
+            b = torch.zeros(512, 1024)  # here + 4
+            del b
+        c = torch.zeros(256, 1024)  # here + 6
+        del a, c
+    o, i = outer.report().devices["cpu"], inner.report().devices["cpu"]
+    assert (i.peak_bytes - i.start_bytes, i.end_bytes - i.start_bytes) == (2 * MiB, 0)
+    sites = {(s.file, s.line - here if s.line else 0, s.bytes) for s in i.sites_at_peak}
+    assert sites == {(__file__, 4, 2 * MiB), ("<before recording>", 0, 4 * MiB)}
+    log = inner._logs[0].events  # made inside the outer recording, and alive at its end
+    assert (o.peak_bytes - o.start_bytes, o.end_bytes - o.start_bytes) == (6 * MiB, log.nbytes)
+    lines = [(s.line - here, s.bytes) for s in o.sites_at_peak if s.file == __file__]
+    assert lines == [(2, 4 * MiB), (4, 2 * MiB)]
+    with record() as after:  # the log was cleared with the last one: a fresh start
+        d = torch.zeros(128, 1024)
+        del d
+    cpu = after.report().devices["cpu"]
+    assert (cpu.peak_bytes - cpu.start_bytes, len(after._logs[0].events)) == (512 * KiB, 2)
+
+
 def test_a_forward_pass_without_a_backward_pass_is_freed_at_once() -> None:
     """relu saves its own output for the backward pass: had the recording's hook kept that
     output as it is, the output would hold its own graph, a cycle gc cannot break."""
@@ -330,7 +356,7 @@ def test_a_forked_child_records_nothing() -> None:
         "    pid = os.fork()\n"
         "    if pid == 0:\n"
         "        torch.zeros(1024 * 1024)\n"
-        "        os._exit(len(native.load().record_stop()))\n"
+        "        os._exit(len(native.load().record_stop(0)))\n"
         "    _, status = os.waitpid(pid, 0)\n"
         "print(os.waitstatus_to_exitcode(status))\n"
     )

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 from collections.abc import Iterable, Mapping
+from dataclasses import replace
 
 from torchmem.meters import Window, meter
 from torchmem.recorder import Recording
@@ -166,7 +167,12 @@ class Span:
         if limit.kind == "limit_memory" and self._recording is not None:
             report = self._recording.report(TOP)
             run = report.devices.get(limit.device)
-            return Verdict(limit, found.usage, run, report.modules if run else ())
+            if run is None:
+                return found
+            # The recording ends after the test, holding the models it saw: its end is not
+            # the test's, and the peak is what the verdict is about.
+            run = replace(run, categories_at_end=None)
+            return Verdict(limit, found.usage, run, report.modules)
         if limit.kind == "limit_leaks" and self._tensors is not None:
             after = MemReporter().snapshot(self._tensors)
             return Verdict(limit, found.usage, stayed=diff(self._before, after).appeared)

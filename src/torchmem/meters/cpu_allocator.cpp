@@ -468,11 +468,29 @@ int64_t torchmem_record_stop() {
   return static_cast<int64_t>(events.size());
 }
 
-// Copies up to n events (five int64 each) to out; returns how many it copied.
-int64_t torchmem_record_events(int64_t* out, int64_t n) {
+// The number of events logged so far, the recording going on (a recording inside another
+// starts and ends at such counts).
+int64_t torchmem_record_count() {
   std::lock_guard<std::mutex> lock(log_mutex);
-  const int64_t count = std::min(n, static_cast<int64_t>(events.size()));
-  std::memcpy(out, events.data(), static_cast<size_t>(count) * sizeof(Event));
+  return static_cast<int64_t>(events.size());
+}
+
+// Records each allocation's site from now on, if the running recording does not already.
+void torchmem_record_sites() {
+#ifdef TORCHMEM_PYTHON
+  int expected = 1;
+  recording.compare_exchange_strong(expected, 2);
+#endif
+}
+
+// Copies up to n events (five int64 each), from event `first` on, to out; returns how many
+// it copied.
+int64_t torchmem_record_events(int64_t* out, int64_t first, int64_t n) {
+  std::lock_guard<std::mutex> lock(log_mutex);
+  const int64_t size = static_cast<int64_t>(events.size());
+  first = std::min(std::max<int64_t>(first, 0), size);
+  const int64_t count = std::min(n, size - first);
+  std::memcpy(out, events.data() + first, static_cast<size_t>(count) * sizeof(Event));
   return count;
 }
 

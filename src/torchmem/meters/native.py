@@ -18,6 +18,7 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+import threading
 from pathlib import Path
 from types import CodeType
 
@@ -55,8 +56,14 @@ class CpuAllocatorLibrary:
         self._py = ctypes.PyDLL(str(path))
         self._py.torchmem_record_start.argtypes = [ctypes.c_int, ctypes.c_char_p]
         self._py.torchmem_record_stop.restype = ctypes.c_int64
+        self._py.torchmem_record_count.restype = ctypes.c_int64
         self._py.torchmem_record_events.restype = ctypes.c_int64
-        self._py.torchmem_record_events.argtypes = [ctypes.c_void_p, ctypes.c_int64]
+        self._py.torchmem_record_events.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
+        self._recordings = 0
+        """How many recordings share the log now."""
+        self._recordings_lock = threading.Lock()
+        # A child made by fork does not record (the library stops there): nor do its own.
+        os.register_at_fork(after_in_child=self._forget_recordings)
         self.records_sites = bool(lib.torchmem_record_has_sites())
         """Whether the recording can name each allocation's site (the library was built
         with Python's headers)."""
@@ -82,24 +89,49 @@ class CpuAllocatorLibrary:
         counted already, or not made by PyTorch's CPU allocator)."""
         return int(self._lib.torchmem_adopt(storage_key))
 
-    def record_start(self, sites: bool, prefixes: dict[str, bool]) -> None:
+    def record_start(self, sites: bool, prefixes: dict[str, bool]) -> int:
         """Start logging every allocation and free (see :meth:`record_stop`), with the
         allocation's site where `sites` is true: the innermost frame whose file is the
         user's, decided by the longest of `prefixes` (path prefix -> is the user's code)
-        that the file starts with; a file matching none is the user's."""
-        lines = "".join(f"{'+' if mine else '-'}{prefix}\n" for prefix, mine in prefixes.items())
-        self._py.torchmem_record_start(int(sites), lines.encode())
+        that the file starts with; a file matching none is the user's.
 
-    def record_stop(self) -> torch.Tensor:
-        """Stop logging; return the log as an int64 tensor of shape (events, 5): time
-        (``time.monotonic_ns()``'s clock), data pointer, bytes (negative for a free), site
-        index (negative: none) and the index of the matching free or allocation (-1: none).
+        Recordings may nest and overlap (a ``torchmem.record()`` inside ``torchmem run``,
+        or inside a test the pytest plugin records): they share one log, which starts
+        with the first and ends with the last. Returns where this one's events begin.
         """
-        count = int(self._py.torchmem_record_stop())
-        log = torch.empty((count, 5), dtype=torch.int64)
-        if count:
-            copied = int(self._py.torchmem_record_events(log.data_ptr(), count))
-            log = log[:copied]
+        with self._recordings_lock:
+            if self._recordings:
+                first = int(self._py.torchmem_record_count())
+                if sites:
+                    self._py.torchmem_record_sites()
+            else:
+                lines = "".join(f"{'+' if mine else '-'}{p}\n" for p, mine in prefixes.items())
+                self._py.torchmem_record_start(int(sites), lines.encode())
+                first = 0
+            self._recordings += 1
+        return first
+
+    def record_stop(self, first: int) -> torch.Tensor:
+        """Stop the recording whose events begin at `first` (what :meth:`record_start`
+        returned); return its events as an int64 tensor of shape (events, 5): time
+        (``time.monotonic_ns()``'s clock), data pointer, bytes (negative for a free), site
+        index (negative: none) and the index, in this tensor, of the matching free or
+        allocation (-1: none, the other one is outside this recording).
+        """
+        with self._recordings_lock:
+            # Never below 0: in a child made by fork, recordings started before it end.
+            self._recordings = max(self._recordings - 1, 0)
+            if self._recordings:
+                end = int(self._py.torchmem_record_count())
+            else:
+                end = int(self._py.torchmem_record_stop())
+            log = torch.empty((max(end - first, 0), 5), dtype=torch.int64)
+            if len(log):
+                log = log[: int(self._py.torchmem_record_events(log.data_ptr(), first, len(log)))]
+        if first:
+            other = log[:, 4]
+            inside = (other >= first) & (other < first + len(log))
+            log[:, 4] = torch.where(inside, other - first, -1)
         return log
 
     def record_site(self, index: int) -> tuple[CodeType, int] | None:
@@ -110,8 +142,14 @@ class CpuAllocatorLibrary:
         return None if found is None else (found[0], found[1])
 
     def record_clear(self) -> None:
-        """Free the last recording's log and sites."""
-        self._py.torchmem_record_clear()
+        """Free the log and the sites, once no recording shares them."""
+        with self._recordings_lock:
+            if not self._recordings:
+                self._py.torchmem_record_clear()
+
+    def _forget_recordings(self) -> None:
+        self._recordings = 0
+        self._recordings_lock = threading.Lock()
 
     def _self_test(self) -> None:
         """Allocate and free in C++, then through a tensor: both must be counted."""

@@ -92,19 +92,20 @@ class CpuLog:
         self._base = 0
         self._start = 0
         self._baseline: dict[int, int] = {}
+        self._first = 0
 
     def start(self) -> None:
         assert isinstance(self.meter, CpuAllocatorMeter)
         self._baseline = {s.data_ptr(): s.nbytes() for s in live_storages()}
         library = self.meter.library
-        library.record_start(self.sites and library.records_sites, user_prefixes())
+        self._first = library.record_start(self.sites and library.records_sites, user_prefixes())
         self._base = self.meter.used()
         self._start = time.monotonic_ns()
 
     def stop(self) -> Log:
         assert isinstance(self.meter, CpuAllocatorMeter)
         library = self.meter.library
-        events = library.record_stop()
+        events = library.record_stop(self._first)
         sites = {}
         for index in torch.unique(events[:, 3]).tolist() if len(events) else []:
             if index >= 0:

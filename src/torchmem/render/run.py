@@ -97,13 +97,14 @@ def _categories(run: DeviceRun) -> _Section | None:
     at_peak = run.categories_at_peak
     if at_peak is None:
         return None
-    at_end = run.categories_at_end or {}
-    names = list(CATEGORIES) + [n for n in [*at_peak, *at_end] if n not in CATEGORIES]
+    at_end = run.categories_at_end
+    names = list(CATEGORIES) + [n for n in [*at_peak, *(at_end or ())] if n not in CATEGORIES]
     rows = [
-        (name, _size_or_missing(at_peak.get(name)), _size_or_missing(at_end.get(name)))
+        (name, _size_or_missing(at_peak.get(name)))
+        + (() if at_end is None else (_size_or_missing(at_end.get(name)),))
         for name in dict.fromkeys(names)
     ]
-    header = ("category", "at the peak", "at the end")
+    header = ("category", "at the peak") + (() if at_end is None else ("at the end",))
     return _Section(f"What the memory on {run.device} was:", rows, header=header)
 
 

@@ -125,6 +125,8 @@ class Plugin:
         self.results: dict[str, dict[str, Any]] = {}
         """Per test id, what its reports carried (``--torchmem-json``'s ``tests``)."""
         self._devices: list[str] = []
+        self._running: dict[str, _Test] = {}
+        """Tests set up and not yet torn down (an interrupted session leaves some)."""
 
     def devices(self) -> list[str]:
         """The devices every test is measured on: the current GPU where there is one, CPU
@@ -143,7 +145,7 @@ class Plugin:
             return
         from torchmem.limits import Span
 
-        test = item.stash[_TEST] = _Test(limits)
+        test = item.stash[_TEST] = self._running[item.nodeid] = _Test(limits)
         for limit in limits:
             if limit.setup:
                 test.open(limit.kind, _span(limit, Span))
@@ -167,6 +169,12 @@ class Plugin:
                 test.open("summary", Span(self.devices() + [x.device for x in test.limits]))
             outcome = yield
             ok = outcome.excinfo is None
+            if not ok and isinstance(
+                outcome.excinfo[1], (KeyboardInterrupt, pytest.exit.Exception)
+            ):
+                test.failed = True  # the session ends without a teardown: nothing waits
+                for name in list(test.spans):
+                    test.close(name)
         finally:
             test.failed |= not ok
             later = {x.kind for x in test.limits if x.kind == "limit_leaks" and x.setup}
@@ -187,8 +195,11 @@ class Plugin:
             return
         test.failed |= outcome.excinfo is not None
         # A leak limit with setup=True ends here; so does any span of a test that never ran.
-        for name in list(test.spans):
-            test.close(name, collect=True)
+        try:
+            for name in list(test.spans):
+                test.close(name, collect=True)
+        finally:
+            self._running.pop(item.nodeid, None)
 
     @pytest.hookimpl(hookwrapper=True, tryfirst=True)
     def pytest_runtest_makereport(self, item: pytest.Item) -> Generator[None, Any, None]:
@@ -235,6 +246,11 @@ class Plugin:
         terminalreporter.write(summary(tests, self.top))
 
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        for test in self._running.values():  # interrupted: close what is open, judge nothing
+            test.failed = True
+            for name in list(test.spans):
+                test.close(name)
+        self._running.clear()
         if self.path is None or self.worker:
             return
         document = {"version": JSON_VERSION, "tests": list(self.results.values())}

@@ -14,6 +14,7 @@ import json
 import re
 import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -591,3 +592,19 @@ def test_a_test_that_records_itself_is_explained_all_the_same(
             "*4.00M  */test_nested.py:8  test_records",
         ]
     )
+
+
+@pytest.mark.slow
+def test_the_readme_failure_is_what_pytest_prints(
+    pytester: pytest.Pytester, no_gpu_anywhere: None
+) -> None:
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = readme[readme.index("## In tests") :]
+    code, shown = re.findall(r"```(?:python|text)\n(.*?)```", section, re.S)[:2]
+    pytester.makepyfile(test_model=code)
+    result = run(pytester)
+    printed = "\n".join(result.outlines).replace(str(pytester.path), "/home/me/project")
+    start = printed.index("=" * 35 + " FAILURES")
+    failures = printed[start : printed.index("\n" + "=" * 27 + " short", start)]
+    expected = shown[: shown.index("\n" + "=" * 27 + " short")]
+    assert failures == expected

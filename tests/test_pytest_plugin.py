@@ -99,12 +99,16 @@ def outcomes(result: pytest.RunResult) -> dict[str, str]:
     return found
 
 
+# pytest-memray (installed for the benchmarks) acts on the same markers: not here.
+QUIET = ("-p", "no:cacheprovider", "-p", "no:memray", "-rA")
+
+
 def run(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
-    return pytester.runpytest_subprocess("-p", "no:cacheprovider", "-rA", *args)
+    return pytester.runpytest_subprocess(*QUIET, *args)
 
 
 def run_here(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
-    return pytester.runpytest_inprocess("-p", "no:cacheprovider", "-rA", *args)
+    return pytester.runpytest_inprocess(*QUIET, *args)
 
 
 @pytest.mark.slow
@@ -608,3 +612,15 @@ def test_the_readme_failure_is_what_pytest_prints(
     failures = printed[start : printed.index("\n" + "=" * 27 + " short", start)]
     expected = shown[: shown.index("\n" + "=" * 27 + " short")]
     assert failures == expected
+
+
+def test_with_pytest_memray_loaded_the_markers_are_its_and_a_warning_says_so(
+    pytester: pytest.Pytester, no_gpu_anywhere: None
+) -> None:
+    pytest.importorskip("pytest_memray")
+    pytester.makepyfile(test_sizes=SIZES)
+    result = pytester.runpytest_inprocess("-p", "no:cacheprovider", "-rA")
+    result.stdout.fnmatch_lines(
+        ["*PytestWarning: pytest-memray is loaded and acts on limit_memory and limit_leaks too*"]
+    )
+    result.stdout.no_fnmatch_line("Test was limited to 1.00M*")  # torchmem's wording

@@ -40,6 +40,10 @@ MARKER_HELP = (
     " gc.collect(), more than limit stays in use on the device that was not in use before it."
     " See torchmem.limits.limit_leaks.",
 )
+MEMRAY = (
+    "pytest-memray is loaded and acts on limit_memory and limit_leaks too: torchmem leaves"
+    " them to it. Run pytest with -p no:memray for torchmem's limits (GPU and tensor memory)."
+)
 TOP = 5
 """How many tests per device ``--torchmem`` lists by default."""
 JSON_VERSION = 1
@@ -126,7 +130,18 @@ class Plugin:
         """Per test id, what its reports carried (``--torchmem-json``'s ``tests``)."""
         self._devices: list[str] = []
         self._running: dict[str, _Test] = {}
+        self._memray = config.pluginmanager.has_plugin("memray")
+        """pytest-memray is loaded: it acts on the same two markers, and they are its."""
+        self._warned = False
         """Tests set up and not yet torn down (an interrupted session leaves some)."""
+
+    def _limits(self, item: pytest.Item) -> list[Limit]:
+        if not self._memray:
+            return _limits(item)
+        if any(map(item.get_closest_marker, MARKERS)) and not self._warned:
+            self._warned = True
+            item.warn(pytest.PytestWarning(MEMRAY))
+        return []
 
     def devices(self) -> list[str]:
         """The devices every test is measured on: the current GPU where there is one, CPU
@@ -139,7 +154,7 @@ class Plugin:
 
     @pytest.hookimpl(hookwrapper=True, trylast=True)
     def pytest_runtest_setup(self, item: pytest.Item) -> Generator[None, Any, None]:
-        limits = _limits(item)
+        limits = self._limits(item)
         if not limits and not self.every:
             yield
             return

@@ -21,7 +21,7 @@ SRC = Path(__file__).resolve().parent.parent / "src"
 PACKAGE = SRC / "torchmem"
 
 BASE = {"torchmem.errors", "torchmem.units", "torchmem.resolve", "torchmem._compat"}
-BASE |= {"torchmem._version"}
+BASE |= {"torchmem._version", "torchmem._objects"}
 COLLECTORS = {
     "torchmem.trace",
     "torchmem.lines",

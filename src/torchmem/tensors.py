@@ -24,6 +24,7 @@ from typing import Any, cast
 import torch
 
 from torchmem._compat import PlainTensorAccess, is_traceable_wrapper_subclass, storage_key
+from torchmem._objects import of_classes
 from torchmem.meters.tensor import SPARSE_COMPONENTS
 from torchmem.records.tensors import TensorRecord
 from torchmem.resolve import DeviceLike, parse_device
@@ -237,10 +238,10 @@ def _collect(reporter: MemReporter, device: DeviceLike | None) -> list[TensorRec
 
 def tensors_in(objects: Iterable[object]) -> list[torch.Tensor]:
     """The tensors among `objects` (e.g. ``gc.get_objects()``), subclasses included."""
-    # type(), not isinstance(): isinstance() asks the object its __class__, which a dead
-    # weak proxy answers with ReferenceError (pytorch_memlab #40) and a deprecated alias
-    # with a warning.
-    return cast("list[torch.Tensor]", [o for o in objects if issubclass(type(o), torch.Tensor)])
+    # By class, not isinstance(): isinstance() asks the object its __class__, which a dead
+    # weak proxy answers with ReferenceError (pytorch_memlab #40).
+    found = of_classes(objects, lambda kind: issubclass(kind, torch.Tensor))
+    return cast("list[torch.Tensor]", found)
 
 
 def discover(
@@ -250,11 +251,11 @@ def discover(
     optimizers, in the order found."""
     modules: list[torch.nn.Module] = []
     optimizers: list[torch.optim.Optimizer] = []
-    for obj in objects:
-        kind = type(obj)  # not isinstance: as in tensors_in
-        if issubclass(kind, torch.nn.Module):
-            modules.append(cast("torch.nn.Module", obj))
-        elif issubclass(kind, torch.optim.Optimizer):
+    wanted = (torch.nn.Module, torch.optim.Optimizer)
+    for obj in of_classes(objects, lambda kind: issubclass(kind, wanted)):  # as in tensors_in
+        if isinstance(obj, torch.nn.Module):
+            modules.append(obj)
+        else:
             optimizers.append(cast("torch.optim.Optimizer", obj))
     inner = {id(child) for m in modules for child in m.modules() if child is not m}
     return [m for m in modules if id(m) not in inner], optimizers

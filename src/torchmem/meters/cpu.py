@@ -23,10 +23,12 @@ import gc
 import os
 import threading
 import warnings
+from typing import Any
 
 import torch
 
 from torchmem._compat import storage_key
+from torchmem._objects import of_classes
 from torchmem.errors import TorchmemWarning
 from torchmem.meters import native
 from torchmem.meters.base import Meter, WindowRef
@@ -131,14 +133,15 @@ class CpuDispatchMeter(TensorMeter):
 def live_storages() -> list[torch.UntypedStorage]:
     """Every CPU storage that Python objects (tensors, storages) reach now, once each."""
     storages: dict[int, torch.UntypedStorage] = {}
-    kinds = _KINDS
-    for obj in gc.get_objects():
-        cls = type(obj)  # not isinstance: some objects' __class__ warns (reduce_op)
-        kind = kinds.get(cls)
-        if kind is None:
-            kind = kinds[cls] = _kind(cls)
-        if kind is _OTHER:
-            continue
+    found_kinds: dict[type, str] = {}
+
+    def wanted(cls: type) -> bool:
+        found_kinds[cls] = _kind(cls)
+        return found_kinds[cls] is not _OTHER
+
+    obj: Any
+    for obj in of_classes(gc.get_objects(), wanted):
+        kind = found_kinds[type(obj)]
         if kind is _TENSOR:
             try:
                 if obj.device.type != "cpu":
@@ -160,9 +163,6 @@ def live_storages() -> list[torch.UntypedStorage]:
 
 
 _OTHER, _TENSOR, _UNTYPED, _TYPED = "other", "tensor", "untyped", "typed"
-_KINDS: dict[type, str] = {}
-"""Each class met in a walk, and what it is to the walk (most objects are none of these:
-one dictionary look-up each)."""
 
 
 def _kind(cls: type) -> str:

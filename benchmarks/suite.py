@@ -20,11 +20,20 @@ from types import ModuleType
 import psutil
 import torch
 
-from benchmarks import cells, estimate, lines, meters, peaks, reporter, run as run_command
+from benchmarks import (
+    cells,
+    estimate,
+    lines,
+    meters,
+    peaks,
+    plugin,
+    reporter,
+    run as run_command,
+)
 from benchmarks.timing import table
 
 RESULTS = Path(__file__).with_name("RESULTS.md")
-PEERS = ("ipyexperiments", "memory_profiler", "line_profiler", "pytorch-memlab")
+PEERS = ("ipyexperiments", "memory_profiler", "line_profiler", "pytorch-memlab", "pytest-memray")
 
 
 @dataclass(frozen=True)
@@ -44,11 +53,21 @@ class Config:
     """Training steps of the example script in the ``torchmem run`` case."""
     layers: int = 12
     """Transformer blocks of the GPT-2-small step in the estimator case."""
+    tests: int = 20
+    """Tests in the pytest plugin's suite."""
 
 
 FULL = Config()
 TINY = Config(
-    repeat=1, line_repeat=1, scale=0.01, spike=2**26, sleep=0.01, tensors=200, steps=1, layers=1
+    repeat=1,
+    line_repeat=1,
+    scale=0.01,
+    spike=2**26,
+    sleep=0.01,
+    tensors=200,
+    steps=1,
+    layers=1,
+    tests=2,
 )
 
 
@@ -114,6 +133,10 @@ def sections(config: Config) -> Iterator[str]:
     yield "## 7. Estimator\n\n" + doc(estimate)
     rows, facts = estimate.measure(config.repeat, config.layers, "80 GiB")
     yield table(rows) + "\n\n" + estimate.verdicts(rows) + "\n\n" + facts
+
+    yield "## 8. pytest plugin\n\n" + doc(plugin)
+    rows = plugin.measure(config.repeat, config.tests, config.steps)
+    yield table(rows) + "\n\n" + plugin.verdicts(rows, config.tests)
 
 
 def doc(module: ModuleType) -> str:

@@ -130,6 +130,7 @@ def test_the_whole_suite_runs_and_writes_its_sections(monkeypatch):
         "## 5. Tensor reporter",
         "## 6. torchmem run",
         "## 7. Estimator",
+        "## 8. pytest plugin",
     ]
     assert report.count("Skipped: no CUDA device on this machine.") == 3
     assert "\n".join(shown) + "\n" == report  # each section shown as it was measured

@@ -130,10 +130,10 @@ class Plugin:
         """Per test id, what its reports carried (``--torchmem-json``'s ``tests``)."""
         self._devices: list[str] = []
         self._running: dict[str, _Test] = {}
+        """Tests set up and not yet torn down (an interrupted session leaves some)."""
         self._memray = config.pluginmanager.has_plugin("memray")
         """pytest-memray is loaded: it acts on the same two markers, and they are its."""
         self._warned = False
-        """Tests set up and not yet torn down (an interrupted session leaves some)."""
 
     def _limits(self, item: pytest.Item) -> list[Limit]:
         if not self._memray:
@@ -158,12 +158,10 @@ class Plugin:
         if not limits and not self.every:
             yield
             return
-        from torchmem.limits import Span
-
         test = item.stash[_TEST] = self._running[item.nodeid] = _Test(limits)
         for limit in limits:
             if limit.setup:
-                test.open(limit.kind, _span(limit, Span))
+                test.open(limit.kind, _span(limit))
         outcome = yield
         test.failed = outcome.excinfo is not None
 
@@ -179,7 +177,7 @@ class Plugin:
         try:
             for limit in test.limits:
                 if not limit.setup:
-                    test.open(limit.kind, _span(limit, Span))
+                    test.open(limit.kind, _span(limit))
             if self.every:
                 test.open("summary", Span(self.devices() + [x.device for x in test.limits]))
             outcome = yield
@@ -292,10 +290,14 @@ def _limits(item: pytest.Item) -> list[Limit]:
     pytest.fail(error, pytrace=False)  # outside the except: no chained traceback
 
 
-def _span(limit: Limit, make: type[Span]) -> Span:
+def _span(limit: Limit) -> Span:
+    """What a limit measures: a peak, with a recording to explain it; or what stays, with
+    the live tensors listed to name them."""
+    from torchmem.limits import Span
+
     if limit.kind == "limit_memory":
-        return make([limit.device], record=limit.device)
-    return make([limit.device], tensors=limit.device)
+        return Span([limit.device], record=limit.device)
+    return Span([limit.device], tensors=limit.device)
 
 
 def _fail(report: pytest.TestReport, failed: list[Verdict]) -> None:

@@ -40,6 +40,7 @@ def test_the_namespace_holds_public_names_and_submodules_only():
         name
         for name, value in vars(torchmem).items()
         if not name.startswith("_")
+        and name.isidentifier()  # pytest rewrites a plugin's package: `@py_builtins`
         and name not in torchmem.__all__
         and not getattr(value, "__name__", "").startswith("torchmem.")  # a submodule
     }

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from torchmem.limits import Span, limit_leaks, limit_memory
+from torchmem.meters import meter
 from torchmem.records.limits import Limit, Usage, Verdict
 from torchmem.render.limits import explanation, failure, summary
 
@@ -29,7 +30,7 @@ def test_a_span_measures_exact_bytes_and_judges_at_the_limit() -> None:
         Limit("limit_leaks", MiB, "cpu"),
         Limit("limit_leaks", MiB - 1, "cpu"),
     ]
-    span = Span(["cpu"])
+    span = Span([meter("cpu")])
     span.start(collect=True)
     a = torch.zeros(1024, 1024)
     b = torch.zeros(256, 1024)
@@ -44,8 +45,8 @@ def test_a_span_measures_exact_bytes_and_judges_at_the_limit() -> None:
 
 
 def test_a_failed_verdict_carries_its_explanation_and_nothing_the_recording_kept() -> None:
-    memory = Span(["cpu"], record="cpu")
-    leaks = Span(["cpu"], tensors="cpu")
+    memory = Span([meter("cpu")], record="cpu")
+    leaks = Span([meter("cpu")], tensors="cpu")
     leaks.start(collect=True)
     memory.start()
     model = torch.nn.Linear(256, 1024)  # 1 MiB + 4 KiB; the recording sees it run

@@ -73,9 +73,10 @@ def imported_here_first() -> None:
     ``sys.modules``), and some cannot be imported twice (``torch._dynamo``'s operators,
     which a recording imports): import them in this process first."""
     from torchmem.limits import Span
+    from torchmem.meters import meter
     from torchmem.records.limits import Limit
 
-    span = Span(["cpu"], record="cpu", tensors="cpu")
+    span = Span([meter("cpu")], record="cpu", tensors="cpu")
     span.start()
     torch.nn.Linear(2, 2)(torch.zeros(1, 2))
     span.stop([Limit("limit_memory", 0, "cpu"), Limit("limit_leaks", 0, "cpu")])

@@ -230,8 +230,9 @@ def test_recordings_nest_and_overlap_each_seeing_its_own_span() -> None:
         del a, c
     o, i = outer.report().devices["cpu"], inner.report().devices["cpu"]
     assert (i.peak_bytes - i.start_bytes, i.end_bytes - i.start_bytes) == (2 * MiB, 0)
-    sites = {(s.file, s.line - here if s.line else 0, s.bytes) for s in i.sites_at_peak}
-    assert sites == {(__file__, 4, 2 * MiB), ("<before recording>", 0, 4 * MiB)}
+    assert [(s.line - here, s.bytes) for s in i.sites_at_peak if s.file == __file__] == [
+        (4, 2 * MiB)
+    ]  # and "<before recording>": `a`, and whatever earlier tests left
     log = inner._logs[0].events  # made inside the outer recording, and alive at its end
     assert (o.peak_bytes - o.start_bytes, o.end_bytes - o.start_bytes) == (6 * MiB, log.nbytes)
     lines = [(s.line - here, s.bytes) for s in o.sites_at_peak if s.file == __file__]

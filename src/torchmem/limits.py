@@ -11,7 +11,7 @@ import gc
 from collections.abc import Iterable, Mapping
 from dataclasses import replace
 
-from torchmem.meters import Window, meter
+from torchmem.meters import Meter, Window
 from torchmem.recorder import Recording
 from torchmem.records.limits import Limit, Usage, Verdict
 from torchmem.records.tensors import TensorRecord
@@ -73,7 +73,7 @@ class Span:
     of its limits needs explained.
 
     Args:
-        devices: the devices to measure (:func:`device_name`'s strings).
+        meters: the meters to read (``meter(device)`` of each device measured).
         record: a device to record while the span is open (every allocation with its
             line), so that a peak over a limit can say what held the memory.
         tensors: a device whose live tensors are listed at the start, so that a leak can
@@ -85,9 +85,9 @@ class Span:
     """
 
     def __init__(
-        self, devices: Iterable[str], *, record: str | None = None, tensors: str | None = None
+        self, meters: Iterable[Meter], *, record: str | None = None, tensors: str | None = None
     ) -> None:
-        self.devices = list(dict.fromkeys(devices))
+        self.meters = list({m.device: m for m in meters}.values())
         self.usage: dict[str, Usage] = {}
         """Per device, what its memory did: filled by :meth:`stop`."""
         self._windows: dict[str, Window] = {}
@@ -104,8 +104,8 @@ class Span:
         if self._tensors is not None:
             self._before = MemReporter().snapshot(self._tensors)
         try:
-            for device in self.devices:
-                self._windows[device] = meter(device).window()
+            for found in self.meters:
+                self._windows[found.device] = found.window()
             if self._recording is not None:
                 self._recording.start()
         except BaseException:

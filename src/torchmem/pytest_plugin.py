@@ -29,6 +29,7 @@ from torchmem.records.limits import MARKERS
 
 if TYPE_CHECKING:
     from torchmem.limits import Span
+    from torchmem.meters import Meter
     from torchmem.records.limits import Limit, Usage, Verdict
 
 MARKER_HELP = (
@@ -128,7 +129,9 @@ class Plugin:
         self.worker = hasattr(config, "workerinput")
         self.results: dict[str, dict[str, Any]] = {}
         """Per test id, what its reports carried (``--torchmem-json``'s ``tests``)."""
-        self._devices: list[str] = []
+        self._meters: list[Meter] = []
+        """What every test is measured on (``--torchmem``): the current GPU where there is
+        one, CPU tensors and the process's RAM."""
         self._running: dict[str, _Test] = {}
         """Tests set up and not yet torn down (an interrupted session leaves some)."""
         self._memray = config.pluginmanager.has_plugin("memray")
@@ -143,14 +146,14 @@ class Plugin:
             item.warn(pytest.PytestWarning(MEMRAY))
         return []
 
-    def devices(self) -> list[str]:
-        """The devices every test is measured on: the current GPU where there is one, CPU
-        tensors and the process's RAM."""
-        if not self._devices:
+    def pytest_sessionstart(self, session: pytest.Session) -> None:
+        if self.every:
             from torchmem.limits import device_name
+            from torchmem.meters import meter
 
-            self._devices = list(dict.fromkeys([device_name(None), "cpu", "ram"]))
-        return self._devices
+            # Once, before any test runs: a test may hide or fake the GPU.
+            devices = dict.fromkeys([device_name(None), "cpu", "ram"])
+            self._meters = [meter(device) for device in devices]
 
     @pytest.hookimpl(hookwrapper=True, trylast=True)
     def pytest_runtest_setup(self, item: pytest.Item) -> Generator[None, Any, None]:
@@ -172,6 +175,7 @@ class Plugin:
             yield
             return
         from torchmem.limits import Span
+        from torchmem.meters import meter
 
         ok = False
         try:
@@ -179,7 +183,8 @@ class Plugin:
                 if not limit.setup:
                     test.open(limit.kind, _span(limit))
             if self.every:
-                test.open("summary", Span(self.devices() + [x.device for x in test.limits]))
+                limited = [meter(x.device) for x in test.limits]
+                test.open("summary", Span(self._meters + limited))
             outcome = yield
             ok = outcome.excinfo is None
             if not ok and isinstance(
@@ -294,10 +299,11 @@ def _span(limit: Limit) -> Span:
     """What a limit measures: a peak, with a recording to explain it; or what stays, with
     the live tensors listed to name them."""
     from torchmem.limits import Span
+    from torchmem.meters import meter
 
     if limit.kind == "limit_memory":
-        return Span([limit.device], record=limit.device)
-    return Span([limit.device], tensors=limit.device)
+        return Span([meter(limit.device)], record=limit.device)
+    return Span([meter(limit.device)], tensors=limit.device)
 
 
 def _fail(report: pytest.TestReport, failed: list[Verdict]) -> None:

@@ -6,13 +6,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from torchmem.records.limits import Usage, Verdict
-from torchmem.render.run import details_text
+from torchmem.render.run import SAMPLED, details_text
 from torchmem.render.tensors import diff_text
 from torchmem.render.text import table
 from torchmem.units import readable_size
-
-SAMPLED = "~"
-"""Marks a peak that comes from sampling (the true peak may be higher)."""
 
 
 def _size(size: int, exact: bool = True) -> str:

@@ -140,7 +140,7 @@ class Plugin:
 
     def _limits(self, item: pytest.Item) -> list[Limit]:
         if not self._memray:
-            return _limits(item)
+            return _read_limits(item)
         if any(map(item.get_closest_marker, MARKERS)) and not self._warned:
             self._warned = True
             item.warn(pytest.PytestWarning(MEMRAY))
@@ -187,12 +187,6 @@ class Plugin:
                 test.open("summary", Span(self._meters + limited))
             outcome = yield
             ok = outcome.excinfo is None
-            if not ok and isinstance(
-                outcome.excinfo[1], (KeyboardInterrupt, pytest.exit.Exception)
-            ):
-                test.failed = True  # the session ends without a teardown: nothing waits
-                for name in list(test.spans):
-                    test.close(name)
         finally:
             test.failed |= not ok
             later = {x.kind for x in test.limits if x.kind == "limit_leaks" and x.setup}
@@ -275,7 +269,7 @@ class Plugin:
         Path(self.path).write_text(json.dumps(document, indent=1) + "\n")
 
 
-def _limits(item: pytest.Item) -> list[Limit]:
+def _read_limits(item: pytest.Item) -> list[Limit]:
     """The limits `item` carries, read from its closest markers; a bad one fails it."""
     markers = [m for m in map(item.get_closest_marker, MARKERS) if m is not None]
     if not markers:

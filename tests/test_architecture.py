@@ -33,6 +33,7 @@ COLLECTORS = {
     "torchmem.recorder",
     "torchmem.estimator",
     "torchmem.limits",
+    "torchmem.ranks",
 }
 FRONT_ENDS = {"torchmem", "torchmem.__main__", "torchmem.notebook", "torchmem.cli"}
 FRONT_ENDS |= {"torchmem.restore", "torchmem.pytest_plugin"}

@@ -70,6 +70,10 @@ _EXPORTS = {
         "oom_guard",
         "OOMReport",
     ),
+    "torchmem.ranks": (
+        "gather_reports",
+        "RanksReport",
+    ),
     "torchmem.recorder": (
         "record",
         "Recording",
@@ -187,6 +191,10 @@ if _typing.TYPE_CHECKING:
         explain_oom as explain_oom,
         is_oom as is_oom,
         oom_guard as oom_guard,
+    )
+    from torchmem.ranks import (
+        RanksReport as RanksReport,
+        gather_reports as gather_reports,
     )
     from torchmem.recorder import (
         Recording as Recording,

@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import traceback
 from pathlib import Path
 from types import ModuleType, TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torchmem.cli.command import Command
 from torchmem.errors import CommandError
+
+if TYPE_CHECKING:
+    from torchmem.ranks import RanksReport
+    from torchmem.recorder import RunReport
 
 
 class RunCommand(Command):
@@ -21,7 +27,9 @@ class RunCommand(Command):
         " it happened and the end; parameters, gradients, optimizer state, activations"
         " and other bytes at the peak; the lines whose allocations were alive at the peak;"
         " the largest tensors; each module's forward and backward peak. Exits with the"
-        " script's exit code."
+        " script's exit code. Under torchrun (torchrun [options] -m torchmem run SCRIPT)"
+        " every rank records, and rank 0 prints one table of every rank and how unevenly"
+        " they used memory; rank 0 writes --json and --html."
     )
 
     def prepare_parser(self, parser: argparse.ArgumentParser) -> None:
@@ -58,6 +66,7 @@ class RunCommand(Command):
     def run(self, args: argparse.Namespace) -> int:
         import dataclasses
 
+        from torchmem.ranks import Launch
         from torchmem.recorder import record
 
         if args.top < 1:
@@ -75,32 +84,56 @@ class RunCommand(Command):
             raise CommandError("nothing to run: give a SCRIPT or -m MODULE", 2)
         try:
             recording = record(args.device, sites=args.sites)
+            launch = Launch.from_environ()
         except ValueError as exc:
             raise CommandError(str(exc), 2) from None
+        if launch is not None:
+            try:
+                launch.connect()
+            except (RuntimeError, OSError) as exc:
+                where = f"{launch.address}:{launch.port}"
+                raise CommandError(f"cannot reach the launcher's store at {where}: {exc}") from None
         namespace: dict[str, Any] = {}
         recording.start()
         try:
-            code = _execute(target, argv, is_module, namespace)
+            code, error = _execute(target, argv, is_module, namespace)
         finally:
             recording.stop(namespace)
         report = dataclasses.replace(
             recording.report(args.top), exit_code=code, command=tuple(argv)
         )
-        if args.json:
-            report.save_json(args.json)
-        if args.html:
-            report.save_html(args.html)
-        if not args.quiet:
-            sys.stdout.flush()
-            print(f"\n{report}", file=sys.stderr)
+        if launch is None:
+            _publish(report, args)
+            return code
+        try:
+            ranks = launch.exchange(report, error, top=args.top)
+            if ranks is not None:
+                _publish(ranks, args)
+        finally:
+            launch.finish()
         return code
 
 
-def _execute(target: str, argv: list[str], is_module: bool, namespace: dict[str, Any]) -> int:
-    """Run `target` as ``__main__`` with ``sys.argv`` = `argv`; return its exit code.
+def _publish(report: RunReport | RanksReport, args: argparse.Namespace) -> None:
+    """Write `report` where the options say, and print it on stderr unless ``--quiet``."""
+    if args.json:
+        report.save_json(args.json)
+    if args.html:
+        report.save_html(args.html)
+    if not args.quiet:
+        sys.stdout.flush()
+        print(f"\n{report}", file=sys.stderr)
+
+
+def _execute(
+    target: str, argv: list[str], is_module: bool, namespace: dict[str, Any]
+) -> tuple[int, str | None]:
+    """Run `target` as ``__main__`` with ``sys.argv`` = `argv`; return its exit code and,
+    where it raised, the last line of its traceback (``"ValueError: boom"``).
 
     Its globals end up in `namespace`. An uncaught exception prints its traceback through
-    ``sys.excepthook``, as Python would, without torchmem's frames.
+    ``sys.excepthook``, as Python would, without torchmem's frames; under ``torchrun`` it
+    also goes to the launcher's error file, which torchrun's failure summary shows.
     """
     import runpy
 
@@ -115,16 +148,21 @@ def _execute(target: str, argv: list[str], is_module: bool, namespace: dict[str,
             _run_script(target, namespace)
     except SystemExit as exc:
         if exc.code is None or isinstance(exc.code, int):
-            return exc.code or 0
+            return exc.code or 0, None
         print(exc.code, file=sys.stderr)
-        return 1
+        return 1, None
     except BaseException as exc:  # the script's own error: shown as Python shows it
         tb = _user_frames(exc.__traceback__)
         sys.excepthook(type(exc), exc.with_traceback(tb), tb)
-        return 130 if isinstance(exc, KeyboardInterrupt) else 1
+        if os.environ.get("TORCHELASTIC_ERROR_FILE"):
+            from torch.distributed.elastic.multiprocessing.errors import get_error_handler
+
+            get_error_handler().record_exception(exc)
+        error = traceback.format_exception_only(exc)[-1].strip()
+        return 130 if isinstance(exc, KeyboardInterrupt) else 1, error
     finally:
         sys.argv, sys.path[:] = saved_argv, saved_path
-    return 0
+    return 0, None
 
 
 def _run_script(path: str, namespace: dict[str, Any]) -> None:

@@ -159,6 +159,41 @@ class RunRecord:
             "notes": list(self.notes),
         }
 
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> RunRecord:
+        """The record that :meth:`to_json` wrote (another rank's report, a saved file).
+
+        Raises:
+            ValueError: `data` is not such a report; the message names what is missing.
+        """
+        try:
+            timelines = data["timeline"]
+            devices = {
+                name: _device_from_json(name, entry, timelines.get(name, ()))
+                for name, entry in data["devices"].items()
+            }
+            modules = tuple(
+                ModulePeak(
+                    m["name"],
+                    m["type"],
+                    m["device"],
+                    m["forward_peak_bytes"],
+                    m["backward_peak_bytes"],
+                    m["calls"],
+                )
+                for m in data["modules"]
+            )
+            return cls(
+                devices,
+                modules,
+                data["duration_s"],
+                exit_code=data["exit_code"],
+                command=tuple(data["command"]),
+                notes=tuple(data["notes"]),
+            )
+        except (KeyError, TypeError, AttributeError) as exc:
+            raise ValueError(f"not a torchmem run report: {type(exc).__name__}: {exc}") from None
+
 
 def _site_json(site: Site) -> dict[str, Any]:
     return {"file": site.file, "line": site.line, "function": site.function, "bytes": site.bytes}
@@ -188,3 +223,23 @@ def _device_json(run: DeviceRun) -> dict[str, Any]:
         "sites_at_peak": [_site_json(s) for s in run.sites_at_peak],
         "largest_at_peak": [_held_json(h) for h in run.largest_at_peak],
     }
+
+
+def _device_from_json(name: str, entry: dict[str, Any], timeline: Any) -> DeviceRun:
+    return DeviceRun(
+        name,
+        entry["start_bytes"],
+        entry["peak_bytes"],
+        entry["peak_time_s"],
+        entry["end_bytes"],
+        tuple((t, b) for t, b in timeline),
+        categories_at_peak=entry["categories_at_peak"],
+        categories_at_end=entry["categories_at_end"],
+        sites_at_peak=tuple(Site(**s) for s in entry["sites_at_peak"]),
+        largest_at_peak=tuple(
+            Held(**{**h, "shape": None if h["shape"] is None else tuple(h["shape"])})
+            for h in entry["largest_at_peak"]
+        ),
+        reserved_peak_bytes=entry["reserved_peak_bytes"],
+        exact=entry["exact"],
+    )

@@ -48,7 +48,7 @@ _LEFT = ' style="text-align: left"'
 
 
 @dataclass(frozen=True)
-class _Section:
+class Section:
     """One block of the report: a title, a table, and a line on what was left out."""
 
     title: str
@@ -67,7 +67,7 @@ def _headline(record: RunRecord) -> str:
     return f"{TITLE} ({_seconds(record.duration)}{exit_code})"
 
 
-def _devices(record: RunRecord) -> _Section:
+def _devices(record: RunRecord) -> Section:
     runs = list(record.devices.values())
     reserved = any(run.reserved_peak_bytes is not None for run in runs)
     header: tuple[str, ...] = ("device", "start", "peak", "at", "end")
@@ -90,10 +90,10 @@ def _devices(record: RunRecord) -> _Section:
     more = ""
     if not all(run.exact for run in runs):
         more = f"{SAMPLED} sampled, not exact: the true peak may be higher."
-    return _Section("", rows, header=header, more=more)
+    return Section("", rows, header=header, more=more)
 
 
-def _categories(run: DeviceRun) -> _Section | None:
+def _categories(run: DeviceRun) -> Section | None:
     at_peak = run.categories_at_peak
     if at_peak is None:
         return None
@@ -105,7 +105,7 @@ def _categories(run: DeviceRun) -> _Section | None:
         for name in dict.fromkeys(names)
     ]
     header = ("category", "at the peak") + (() if at_end is None else ("at the end",))
-    return _Section(f"What the memory on {run.device} was:", rows, header=header)
+    return Section(f"What the memory on {run.device} was:", rows, header=header)
 
 
 def _size_or_missing(size: int | None) -> str:
@@ -124,12 +124,12 @@ def _more(count: int, what: str, size: int | None = None) -> str:
     return f"... and {count} more {what}{'' if count == 1 else 's'}{rest}"
 
 
-def _sites(run: DeviceRun, top: int) -> _Section | None:
+def _sites(run: DeviceRun, top: int) -> Section | None:
     if not run.sites_at_peak:
         return None
     shown, hidden = run.sites_at_peak[:top], run.sites_at_peak[top:]
     rows = [(readable_size(s.bytes), _site(s), s.function) for s in shown]
-    return _Section(
+    return Section(
         f"Allocation sites alive at the peak on {run.device}:",
         rows,
         left=(1, 2),
@@ -141,7 +141,7 @@ def _shape(held: Held) -> str:
     return MISSING if held.shape is None else str(tuple(held.shape))
 
 
-def _largest(run: DeviceRun, top: int) -> _Section | None:
+def _largest(run: DeviceRun, top: int) -> Section | None:
     if not run.largest_at_peak:
         return None
     shown, hidden = run.largest_at_peak[:top], run.largest_at_peak[top:]
@@ -156,7 +156,7 @@ def _largest(run: DeviceRun, top: int) -> _Section | None:
         )
         for h in shown
     ]
-    return _Section(
+    return Section(
         f"Largest allocations alive at the peak on {run.device}:",
         rows,
         left=(1, 2, 3, 4, 5),
@@ -168,7 +168,7 @@ def _highest(module: ModulePeak) -> int:
     return max(module.forward_peak_bytes, module.backward_peak_bytes or 0)
 
 
-def _modules(modules: Sequence[ModulePeak], top: int) -> _Section | None:
+def _modules(modules: Sequence[ModulePeak], top: int) -> Section | None:
     """In the order of first call; the `top` highest, highest first, where cut."""
     if not modules:
         return None
@@ -186,7 +186,7 @@ def _modules(modules: Sequence[ModulePeak], top: int) -> _Section | None:
         for m in shown
     ]
     devices = ", ".join(dict.fromkeys(m.device for m in modules))
-    return _Section(
+    return Section(
         f"Modules: highest memory in use on {devices} while each ran:",
         rows,
         left=(0, 1),
@@ -195,10 +195,10 @@ def _modules(modules: Sequence[ModulePeak], top: int) -> _Section | None:
     )
 
 
-def _sections(record: RunRecord, top: int) -> list[_Section]:
+def _sections(record: RunRecord, top: int) -> list[Section]:
     """The report's blocks after the headline, in order; those with nothing to show left out."""
     top = max(top, 0)
-    found: list[_Section | None] = []
+    found: list[Section | None] = []
     main = record.devices.get(record.main_device)
     if record.devices:
         found.append(_devices(record))
@@ -211,7 +211,7 @@ def _sections(record: RunRecord, top: int) -> list[_Section]:
     return [section for section in found if section is not None]
 
 
-def _details(run: DeviceRun, modules: Sequence[ModulePeak], top: int) -> list[_Section]:
+def _details(run: DeviceRun, modules: Sequence[ModulePeak], top: int) -> list[Section]:
     found = [_categories(run), _sites(run, top), _largest(run, top), _modules(modules, top)]
     return [section for section in found if section is not None]
 
@@ -219,15 +219,16 @@ def _details(run: DeviceRun, modules: Sequence[ModulePeak], top: int) -> list[_S
 def details_text(run: DeviceRun, modules: Sequence[ModulePeak], top: int = 10) -> list[str]:
     """One device's blocks of :func:`text` (categories, sites, largest allocations,
     modules), each a string of lines, for other reports built on the same records."""
-    return ["\n".join(_text_section(s)) for s in _details(run, modules, max(top, 0))]
+    return ["\n".join(section_text(s)) for s in _details(run, modules, max(top, 0))]
 
 
 def details_html(run: DeviceRun, modules: Sequence[ModulePeak], top: int = 10) -> str:
     """The blocks of :func:`details_text` as HTML, as :func:`html` shows them."""
-    return "".join(_html_section(s) for s in _details(run, modules, max(top, 0)))
+    return "".join(section_html(s) for s in _details(run, modules, max(top, 0)))
 
 
-def _text_section(section: _Section) -> list[str]:
+def section_text(section: Section) -> list[str]:
+    """`section` as lines of text: its title, then its table indented under it."""
     indent = "  " if section.title else ""
     lines = [section.title] if section.title else []
     rows = ([section.header] if section.header else []) + list(section.rows)
@@ -260,7 +261,7 @@ def text(record: RunRecord, top: int = 10) -> str:
         blocks[0].append(f"command: {shlex.join(record.command)}")
     if not record.devices:
         blocks.append(["No device was recorded."])
-    blocks += [_text_section(section) for section in _sections(record, top)]
+    blocks += [section_text(section) for section in _sections(record, top)]
     if record.notes:
         blocks.append(["Notes:"] + [f"  - {note}" for note in record.notes])
     return "\n\n".join("\n".join(block) for block in blocks)
@@ -380,7 +381,9 @@ def _cell(tag: str, value: str, left: bool) -> str:
     return f"<{tag}{_LEFT if left else ''}>{markup.escape(value)}</{tag}>"
 
 
-def _html_section(section: _Section) -> str:
+def section_html(section: Section) -> str:
+    """`section` as HTML: an ``<h4>`` title, a table, and a paragraph on what was left out."""
+
     def row(cells: tuple[str, ...], tag: str) -> str:
         inner = "".join(_cell(tag, c, i in section.left) for i, c in enumerate(cells))
         return f"<tr>{inner}</tr>"
@@ -402,7 +405,7 @@ def html(record: RunRecord, top: int = 10) -> str:
     if not record.devices:
         parts.append("<p>No device was recorded.</p>")
     for index, section in enumerate(_sections(record, top)):
-        parts.append(_html_section(section))
+        parts.append(section_html(section))
         if index == 0 and record.devices:
             charts = "".join(
                 _svg(run, 720, 180, False, record.duration) for run in record.devices.values()

@@ -1,0 +1,295 @@
+"""Per-rank reports of a multi-process job, gathered with ``torch.distributed``.
+
+Two ways in, one record out (:class:`RanksReport`):
+
+* :func:`gather_reports`, called by every rank of a running job, sends each rank's
+  :class:`~torchmem.records.run.RunRecord` through the job's own process group;
+* :class:`Launch` serves ``torchmem run`` under ``torchrun`` (or any launcher that sets
+  ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT``): the reports travel
+  through the launcher's key-value store (``torch.distributed.TCPStore``), which does not
+  depend on the script's process group: that group may be gone, or stuck in a collective
+  that a failed rank never joined, and an NCCL group would carry the reports through the
+  GPU memory being measured.
+
+Reports travel as JSON (:meth:`RunRecord.to_json`), never as pickles.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from torchmem.records.ranks import Imbalance, RankRun, RanksRecord
+from torchmem.records.run import CATEGORIES, RunRecord
+
+TOP = 10
+"""How many sites, allocations and modules the highest rank's detail lists by default."""
+POLL = 0.05
+"""Seconds between two looks at the store while waiting for other ranks."""
+CONNECT_TIMEOUT = timedelta(minutes=5)
+"""How long a rank tries to reach the launcher's store."""
+
+
+@dataclass(frozen=True)
+class RanksReport(RanksRecord):
+    """What :func:`gather_reports` returns (the fields are :class:`RanksRecord`'s): prints
+    as the per-rank table, shows as HTML in Jupyter, saves JSON and an HTML page."""
+
+    top: int = TOP
+    """How many sites, allocations and modules the highest rank's detail lists."""
+
+    def __str__(self) -> str:
+        from torchmem.render import ranks
+
+        return ranks.text(self, self.top)
+
+    def _repr_html_(self) -> str:
+        from torchmem.render import ranks
+
+        return ranks.html(self, self.top)
+
+    def to_dataframe(self) -> Any:
+        """One row per rank and device; needs pandas."""
+        from torchmem.render import ranks
+
+        return ranks.dataframe(self)
+
+    def save_json(self, path: str | Path) -> None:
+        """Write :meth:`to_json` to `path` (the contract is in the README)."""
+        Path(path).write_text(json.dumps(self.to_json(), indent=1) + "\n")
+
+    def save_html(self, path: str | Path) -> None:
+        """Write a self-contained HTML page to `path` (no scripts, no network)."""
+        from torchmem.render import ranks
+
+        Path(path).write_text(ranks.page(self, self.top), encoding="utf-8")
+
+
+def gather_reports(
+    report: RunRecord, *, group: Any = None, dst: int | None = 0, top: int = TOP
+) -> RanksReport | None:
+    """Gather every rank's report; every rank of `group` must call it.
+
+    ``with torchmem.record() as rec: train()`` then
+    ``ranks = torchmem.gather_reports(rec.report())`` and, on rank 0, ``print(ranks)``.
+
+    Args:
+        report: this rank's report (:meth:`torchmem.Recording.report`).
+        group: the process group (default: the job's default group). With NCCL the
+            reports (a few KiB of JSON each) pass through the current GPU: call
+            ``torch.cuda.set_device`` first, as for any NCCL collective.
+        dst: the global rank that gets the result; None gives it to every rank.
+        top: how many sites, allocations and modules the printed detail lists.
+
+    Returns:
+        The reports of every rank of `group`, in rank order, on `dst` (every rank where
+        `dst` is None); None on the other ranks.
+
+    Raises:
+        RuntimeError: ``torch.distributed`` has no process group yet.
+        ValueError: `dst` is not a rank of `group`, or `top` is below 1.
+    """
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(
+            "torch.distributed has no process group: call init_process_group first,"
+            " or run the script with `torchrun ... -m torchmem run script.py`"
+        )
+    if top < 1:
+        raise ValueError(f"top must be at least 1, not {top!r}")
+    world = dist.get_world_size(group)
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(world))
+    if dst is not None and dst not in ranks:
+        raise ValueError(f"dst={dst!r} is not a rank of the group (its ranks: {ranks})")
+    payloads: list[Any] = [None] * world
+    dist.all_gather_object(payloads, _payload(dist.get_rank(), report), group=group)
+    if dst is not None and dist.get_rank() != dst:
+        return None
+    return assemble([json.loads(p) for p in payloads], ranks, top=top)
+
+
+def _payload(rank: int, report: RunRecord, error: str | None = None) -> str:
+    return json.dumps(
+        {"rank": rank, "host": socket.gethostname(), "error": error, "report": report.to_json()}
+    )
+
+
+def assemble(
+    payloads: Sequence[Mapping[str, Any]], ranks: Sequence[int], *, top: int = TOP
+) -> RanksReport:
+    """The report of `ranks` (global ranks) from the payloads that arrived; the ranks
+    whose payload did not are missing."""
+    runs = sorted(
+        (
+            RankRun(p["rank"], p["host"], RunRecord.from_json(p["report"]), p["error"])
+            for p in payloads
+        ),
+        key=lambda run: run.rank,
+    )
+    arrived = {run.rank for run in runs}
+    missing = tuple(rank for rank in ranks if rank not in arrived)
+    return RanksReport(tuple(runs), len(ranks), missing, imbalance(runs), top=top)
+
+
+def imbalance(runs: Sequence[RankRun]) -> Imbalance | None:
+    """How unevenly `runs` peaked on their main devices, of the kind most of them have;
+    None with fewer than two such ranks."""
+    mains = [(run, run.report.devices.get(run.report.main_device)) for run in runs]
+    peaks = [(run.rank, device) for run, device in mains if device is not None]
+    kinds = [device.device.partition(":")[0] for _, device in peaks]
+    if not kinds:
+        return None
+    kind = max(dict.fromkeys(kinds), key=kinds.count)
+    peaks = [(rank, d) for rank, d in peaks if d.device.partition(":")[0] == kind]
+    if len(peaks) < 2:
+        return None
+    high = max(peaks, key=lambda p: (p[1].peak_bytes, -p[0]))
+    low = min(peaks, key=lambda p: (p[1].peak_bytes, p[0]))
+    found = Imbalance(kind, high[0], high[1].peak_bytes, low[0], low[1].peak_bytes, None)
+    categories = [(rank, d.categories_at_peak) for rank, d in peaks if d.categories_at_peak]
+    if len(categories) < 2:
+        return found
+    best: tuple[int, str, tuple[int, int], tuple[int, int]] | None = None
+    names = dict.fromkeys([*CATEGORIES, *(n for _, c in categories for n in c)])
+    for name in names:
+        values = [(c.get(name, 0), rank) for rank, c in categories]
+        most = max(values, key=lambda v: (v[0], -v[1]))
+        least = min(values)
+        spread = most[0] - least[0]
+        if spread > 0 and (best is None or spread > best[0]):
+            best = (spread, name, most, least)
+    if best is None:
+        return found
+    _, name, most, least = best
+    return Imbalance(
+        kind,
+        high[0],
+        high[1].peak_bytes,
+        low[0],
+        low[1].peak_bytes,
+        name,
+        category_high_rank=most[1],
+        category_high_bytes=most[0],
+        category_low_rank=least[1],
+        category_low_bytes=least[0],
+    )
+
+
+class Launch:
+    """This process's place in a job a launcher started (``torchrun``): its rank, the
+    job's size, and the launcher's store, through which ``torchmem run`` gathers the
+    reports on rank 0.
+
+    :meth:`connect` before the script runs (rank 0 may host the store, and the script's
+    own ``init_process_group`` then shares it); :meth:`exchange` after.
+    """
+
+    def __init__(self, environ: Mapping[str, str]) -> None:
+        self.rank = _integer(environ, "RANK")
+        self.world_size = _integer(environ, "WORLD_SIZE")
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"RANK={self.rank} is not below WORLD_SIZE={self.world_size}")
+        self.address = environ["MASTER_ADDR"]
+        self.port = _integer(environ, "MASTER_PORT")
+        # torchrun's agent hosts the store; other launchers leave it to rank 0.
+        self.agent_store = environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        run = environ.get("TORCHELASTIC_RUN_ID", "job")
+        self.prefix = f"torchmem/{run}/{environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+        self._store: Any = None
+
+    @staticmethod
+    def from_environ(environ: Mapping[str, str] | None = None) -> Launch | None:
+        """The launch described by `environ` (default: ``os.environ``); None where it
+        does not name a rank, a world size and a store address (a single process).
+
+        Raises:
+            ValueError: one of those variables has a bad value; the message names it.
+        """
+        environ = os.environ if environ is None else environ
+        needed = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+        if not all(environ.get(name) for name in needed):
+            return None
+        return Launch(environ)
+
+    def connect(self) -> None:
+        """Reach the launcher's store (or, on rank 0 without torchrun's agent, host it)."""
+        # Documented as torch.distributed's, but not in its __all__.
+        from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined]
+
+        master = self.rank == 0 and not self.agent_store
+        store = TCPStore(
+            self.address,
+            self.port,
+            self.world_size,
+            is_master=master,
+            timeout=CONNECT_TIMEOUT,
+            wait_for_workers=False,
+            multi_tenant=master,
+        )
+        self._store = PrefixStore(self.prefix, store)
+
+    def exchange(
+        self, report: RunRecord, error: str | None = None, *, top: int = TOP
+    ) -> RanksReport | None:
+        """Send this rank's report; on rank 0, wait for every rank's and return them all.
+
+        Rank 0 stops waiting when it is asked to terminate (``SIGTERM``: the launcher
+        does that once a rank died without a report) and returns what arrived, the rest
+        as missing. Other ranks return None at once; call :meth:`finish` before exiting.
+        """
+        store = self._store
+        if store is None:
+            raise RuntimeError("connect() first")
+        store.set(f"report/{self.rank}", _payload(self.rank, report, error))
+        if self.rank != 0:
+            return None
+        keys = [f"report/{rank}" for rank in range(self.world_size)]
+        _wait_for(lambda: store.check(keys), stop_on_sigterm=True)
+        payloads = [json.loads(store.get(key)) for key in keys if store.check([key])]
+        return assemble(payloads, range(self.world_size), top=top)
+
+    def finish(self) -> None:
+        """On rank 0: say the report is out. Elsewhere: wait until rank 0 says so, so
+        that a rank about to exit with an error does not make the launcher stop rank 0
+        before it has printed."""
+        store = self._store
+        if store is None:
+            return
+        try:
+            if self.rank == 0:
+                store.set("printed", "1")
+            else:
+                _wait_for(lambda: store.check(["printed"]), stop_on_sigterm=False)
+        except RuntimeError:  # the store went away with rank 0: nothing left to wait for
+            pass
+
+
+def _wait_for(done: Callable[[], bool], *, stop_on_sigterm: bool) -> None:
+    """Poll `done` until it is true, or (with `stop_on_sigterm`) until SIGTERM arrives."""
+    stopped: list[int] = []
+    previous = None
+    if stop_on_sigterm:
+        previous = signal.signal(signal.SIGTERM, lambda number, frame: stopped.append(number))
+    try:
+        while not stopped and not done():
+            time.sleep(POLL)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _integer(environ: Mapping[str, str], name: str) -> int:
+    value = environ[name]
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{name}={value!r} is not a whole number") from None

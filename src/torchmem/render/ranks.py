@@ -1,0 +1,203 @@
+"""A multi-process run's memory per rank: a terminal table, HTML for Jupyter, a
+self-contained HTML page, and pandas.
+
+Every renderer reads a :class:`~torchmem.records.ranks.RanksRecord` and shows the same
+things: one row per rank and device (its peak, the caching allocator's reserved peak on
+GPUs, the end, the category that held most at the peak, the process's RAM peak and the
+script's exit code), how unevenly the ranks peaked, which ranks raised or never reported,
+and the rank with the highest peak in detail.
+"""
+
+from __future__ import annotations
+
+import html as markup
+from typing import Any
+
+from torchmem.errors import require
+from torchmem.records.ranks import Imbalance, RankRun, RanksRecord
+from torchmem.records.run import CATEGORIES, DeviceRun
+from torchmem.render import run as single
+from torchmem.render.run import MISSING, SAMPLED, Section, section_html, section_text
+from torchmem.units import readable_size
+
+TITLE = "torchmem: memory per rank"
+
+
+def _headline(record: RanksRecord) -> str:
+    hosts = len({run.host for run in record.ranks})
+    ranks = f"{record.world_size} rank{'s' if record.world_size != 1 else ''}"
+    on = f" on {hosts} host{'s' if hosts != 1 else ''}" if record.ranks else ""
+    scripts = any(run.report.exit_code is not None for run in record.ranks)
+    code = f", exit code {record.exit_code}" if scripts or record.missing else ""
+    return f"{TITLE} ({ranks}{on}{code})"
+
+
+def _shown(run: RankRun) -> list[DeviceRun]:
+    """The devices a rank's rows show: all but process RAM, which is a column (RAM alone
+    where nothing else was recorded)."""
+    devices = [device for name, device in run.report.devices.items() if name != "ram"]
+    ram = run.report.devices.get("ram")
+    return devices or ([ram] if ram is not None else [])
+
+
+def _most(device: DeviceRun) -> str:
+    """The category with the most bytes at the peak, with those bytes."""
+    at_peak = device.categories_at_peak
+    if not at_peak:
+        return MISSING
+    name = max(at_peak, key=lambda n: (at_peak[n], -_order(n)))
+    return f"{name} {readable_size(at_peak[name])}"
+
+
+def _order(category: str) -> int:
+    return CATEGORIES.index(category) if category in CATEGORIES else len(CATEGORIES)
+
+
+def _table(record: RanksRecord) -> Section:
+    devices = [(run, device) for run in record.ranks for device in _shown(run)]
+    reserved = any(device.reserved_peak_bytes is not None for _, device in devices)
+    header: tuple[str, ...] = ("rank", "host", "device", "peak")
+    header += ("reserved peak",) if reserved else ()
+    header += ("end", "most at the peak", "ram peak", "exit")
+    rows = []
+    for run, device in devices:
+        ram = run.report.devices.get("ram")
+        row: tuple[str, ...] = (
+            str(run.rank),
+            run.host,
+            device.device,
+            ("" if device.exact else SAMPLED) + readable_size(device.peak_bytes),
+        )
+        if reserved:
+            size = device.reserved_peak_bytes
+            row += (MISSING if size is None else readable_size(size),)
+        row += (
+            readable_size(device.end_bytes),
+            _most(device),
+            MISSING if ram is None or ram is device else readable_size(ram.peak_bytes),
+            MISSING if run.report.exit_code is None else str(run.report.exit_code),
+        )
+        rows.append(row)
+    sampled = not all(device.exact for _, device in devices)
+    more = f"{SAMPLED} sampled, not exact: the true peak may be higher." if sampled else ""
+    left = (1, 2, header.index("most at the peak"))
+    return Section("", rows, left=left, header=header, more=more)
+
+
+def imbalance_text(imbalance: Imbalance) -> str:
+    """``Imbalance on cpu: rank 3 peaked at 32.00M, 4.00x rank 0's 8.00M; ...``."""
+    high, low = imbalance.highest_bytes, imbalance.lowest_bytes
+    ratio = imbalance.ratio
+    times = f"{ratio:.2f}x" if ratio != float("inf") else "above"
+    line = (
+        f"Imbalance on {imbalance.kind}: rank {imbalance.highest_rank} peaked at"
+        f" {readable_size(high)}, {times} rank {imbalance.lowest_rank}'s {readable_size(low)}"
+    )
+    if imbalance.category is not None:
+        line += (
+            f"; the category that differs most is {imbalance.category}:"
+            f" {readable_size(imbalance.category_high_bytes)} on rank"
+            f" {imbalance.category_high_rank} against"
+            f" {readable_size(imbalance.category_low_bytes)} on rank {imbalance.category_low_rank}"
+        )
+    return line + "."
+
+
+def _remarks(record: RanksRecord) -> list[str]:
+    lines = []
+    if record.imbalance is not None:
+        lines.append(imbalance_text(record.imbalance))
+    for run in record.ranks:
+        if run.error is not None:
+            lines.append(
+                f"Rank {run.rank} raised {run.error} (its traceback is in rank {run.rank}'s"
+                " output)."
+            )
+    for rank in record.missing:
+        lines.append(f"Rank {rank} sent no report: its process ended before it could.")
+    return lines
+
+
+def highest(record: RanksRecord) -> RankRun | None:
+    """The rank whose main device peaked highest (the lowest such rank on a tie)."""
+    if record.imbalance is not None:
+        return next(r for r in record.ranks if r.rank == record.imbalance.highest_rank)
+    return record.ranks[0] if record.ranks else None
+
+
+def text(record: RanksRecord, top: int = 10) -> str:
+    """The terminal summary::
+
+        torchmem: memory per rank (2 ranks on 1 host, exit code 0)
+
+        rank  host   device    peak    end  most at the peak  ram peak  exit
+        0     node1  cpu      8.00M  0.00B  other 8.00M        250.00M     0
+        1     node1  cpu     16.00M  0.00B  other 16.00M       258.00M     0
+
+        Imbalance on cpu: rank 1 peaked at 16.00M, 2.00x rank 0's 8.00M; the category ...
+
+    and then the report of the rank with the highest peak, as a single process prints it
+    (:func:`torchmem.render.run.text`, `top` lines per list).
+    """
+    blocks = [[_headline(record)], section_text(_table(record))]
+    remarks = _remarks(record)
+    if remarks:
+        blocks.append(remarks)
+    detail = highest(record)
+    if detail is not None and len(record.ranks) > 1:
+        blocks.append([f"Rank {detail.rank}, the highest peak, in detail:"])
+    if detail is not None:
+        blocks.append([single.text(detail.report, top)])
+    return "\n\n".join("\n".join(block) for block in blocks)
+
+
+def html(record: RanksRecord, top: int = 10) -> str:
+    """:func:`text` as an HTML fragment: the table, the remarks, then every rank's report
+    in a ``<details>`` element that opens without scripts (the highest rank's open)."""
+    parts = [f"<h3>{markup.escape(_headline(record))}</h3>", section_html(_table(record))]
+    parts += [f"<p>{markup.escape(line)}</p>" for line in _remarks(record)]
+    detail = highest(record)
+    for run in record.ranks:
+        opened = " open" if run is detail else ""
+        parts.append(
+            f"<details{opened}><summary>rank {run.rank} on {markup.escape(run.host)}</summary>"
+            f"{single.html(run.report, top)}</details>"
+        )
+    return '<div class="torchmem-ranks">' + "\n".join(parts) + "</div>"
+
+
+def page(record: RanksRecord, top: int = 10) -> str:
+    """A complete HTML document of :func:`html` that opens offline (no scripts, fonts,
+    images or links to fetch)."""
+    return (
+        "<!DOCTYPE html>\n"
+        '<html lang="en">\n<head>\n<meta charset="utf-8"/>\n'
+        '<meta name="viewport" content="width=device-width, initial-scale=1"/>\n'
+        f"<title>{markup.escape(TITLE)}</title>\n<style>\n{single.STYLE}</style>\n</head>\n"
+        f"<body>\n{html(record, top)}\n</body>\n</html>\n"
+    )
+
+
+def dataframe(record: RanksRecord) -> Any:
+    """One row per rank and device: ``rank``, ``host``, ``device``, ``start_bytes``,
+    ``peak_bytes``, ``peak_time`` (seconds), ``end_bytes``, ``reserved_peak_bytes``
+    (GPUs), ``exit_code``. Needs pandas."""
+    pd = require("pandas", "a per-rank DataFrame")
+    rows = [(run, device) for run in record.ranks for device in run.report.devices.values()]
+
+    def column(values: list[Any], dtype: str) -> Any:
+        return pd.array(values, dtype=dtype)
+
+    return pd.DataFrame(
+        {
+            "rank": column([run.rank for run, _ in rows], "int64"),
+            "host": [run.host for run, _ in rows],
+            "device": [device.device for _, device in rows],
+            "start_bytes": column([d.start_bytes for _, d in rows], "int64"),
+            "peak_bytes": column([d.peak_bytes for _, d in rows], "int64"),
+            "peak_time": column([d.peak_time for _, d in rows], "float64"),
+            "end_bytes": column([d.end_bytes for _, d in rows], "int64"),
+            "reserved_peak_bytes": column([d.reserved_peak_bytes for _, d in rows], "Int64"),
+            "exit_code": column([run.report.exit_code for run, _ in rows], "Int64"),
+        }
+    )

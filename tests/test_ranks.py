@@ -1,0 +1,313 @@
+"""Per-rank reports: the records, the imbalance, the text, and the launcher's store
+(a real ``torch.distributed.TCPStore``, ranks as threads of this process).
+
+``torchrun`` itself, with real processes, is in test_torchrun.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+import torchmem
+from standins import MiB
+from torchmem.ranks import Launch, RanksReport, assemble, gather_reports, imbalance
+from torchmem.records.ranks import RankRun
+from torchmem.records.run import DeviceRun, Held, ModulePeak, RunRecord, Site
+from torchmem.render import ranks as render
+
+
+def categories(**sizes: int) -> dict[str, int]:
+    names = ("parameters", "gradients", "optimizer_state", "activations", "other")
+    return {name: sizes.get(name, 0) for name in names}
+
+
+def record(peak: int, *, device: str = "cpu", exit_code: int | None = 0, **sizes: int) -> RunRecord:
+    run = DeviceRun(
+        device,
+        0,
+        peak,
+        0.5,
+        peak // 2,
+        ((0.5, peak), (1.0, peak // 2)),
+        categories_at_peak=categories(**sizes) if sizes else None,
+    )
+    ram = DeviceRun("ram", 200 * MiB, 300 * MiB, 0.5, 250 * MiB, (), exact=True)
+    return RunRecord({device: run, "ram": ram}, (), 1.0, exit_code=exit_code)
+
+
+def payload(rank: int, report: RunRecord, error: str | None = None, host: str = "node1") -> dict:
+    return {"rank": rank, "host": host, "error": error, "report": report.to_json()}
+
+
+def test_a_report_survives_its_json_unchanged() -> None:
+    run = DeviceRun(
+        "cuda:0",
+        1,
+        10 * MiB,
+        0.25,
+        2,
+        ((0.1, 3), (0.25, 10 * MiB)),
+        categories_at_peak=categories(parameters=4, other=6),
+        categories_at_end=categories(parameters=4),
+        sites_at_peak=(Site("train.py", 3, "<module>", 8 * MiB),),
+        largest_at_peak=(
+            Held("fc.weight", 4 * MiB, "parameters", (1024, 1024), "torch.float32", "t.py:1"),
+            Held("Tensor@t.py:2", 16, "other"),
+        ),
+        reserved_peak_bytes=20 * MiB,
+        exact=False,
+    )
+    module = ModulePeak("fc", "Linear", "cuda:0", 5 * MiB, None, 2)
+    original = RunRecord({"cuda:0": run}, (module,), 1.5, 3, ("t.py", "-x"), ("a note",))
+    assert RunRecord.from_json(json.loads(json.dumps(original.to_json()))) == original
+
+
+def test_a_report_that_is_not_one_is_refused_by_name() -> None:
+    with pytest.raises(ValueError, match="not a torchmem run report: KeyError: 'timeline'"):
+        RunRecord.from_json({"devices": {}})
+
+
+def test_the_ranks_peaks_and_the_category_that_differs_most() -> None:
+    reports = [
+        record(8 * MiB, parameters=4 * MiB, activations=4 * MiB),
+        record(24 * MiB, parameters=4 * MiB, activations=4 * MiB, other=16 * MiB),
+        record(16 * MiB, parameters=4 * MiB, activations=12 * MiB),
+    ]
+    ranks = assemble([payload(r, report) for r, report in enumerate(reports)], range(3))
+    found = ranks.imbalance
+    assert found is not None
+    assert (found.kind, found.highest_rank, found.highest_bytes) == ("cpu", 1, 24 * MiB)
+    assert (found.lowest_rank, found.lowest_bytes, found.ratio) == (0, 8 * MiB, 3.0)
+    assert (found.category, found.category_high_rank, found.category_high_bytes) == (
+        "other",
+        1,
+        16 * MiB,
+    )
+    assert (found.category_low_rank, found.category_low_bytes) == (0, 0)
+
+
+def test_ranks_compare_their_main_devices_of_the_common_kind() -> None:
+    runs = [
+        RankRun(0, "a", record(30 * MiB, device="cuda:0")),
+        RankRun(1, "a", record(10 * MiB, device="cuda:1")),
+        RankRun(2, "b", record(99 * MiB)),  # no GPU: not compared with the GPUs
+    ]
+    found = imbalance(runs)
+    assert found is not None
+    assert (found.kind, found.highest_rank, found.lowest_rank, found.category) == (
+        "cuda",
+        0,
+        1,
+        None,
+    )
+    assert imbalance(runs[:1]) is None
+    assert imbalance([RankRun(0, "a", record(0)), RankRun(1, "a", record(5))]).ratio == float(
+        "inf"
+    )
+
+
+def test_the_table_says_each_ranks_peak_and_who_raised() -> None:
+    reports = [
+        record(8 * MiB, other=8 * MiB),
+        record(16 * MiB, exit_code=1, other=16 * MiB),
+    ]
+    ranks = assemble(
+        [payload(0, reports[0]), payload(1, reports[1], "ValueError: boom")], range(3), top=2
+    )
+    lines = str(ranks).splitlines()
+    assert lines[:8] == [
+        "torchmem: memory per rank (3 ranks on 1 host, exit code 1)",
+        "",
+        "rank  host   device    peak    end  most at the peak  ram peak  exit",
+        "   0  node1  cpu      8.00M  4.00M  other 8.00M        300.00M     0",
+        "   1  node1  cpu     16.00M  8.00M  other 16.00M       300.00M     1",
+        "",
+        "Imbalance on cpu: rank 1 peaked at 16.00M, 2.00x rank 0's 8.00M; the category that"
+        " differs most is other: 16.00M on rank 1 against 8.00M on rank 0.",
+        "Rank 1 raised ValueError: boom (its traceback is in rank 1's output).",
+    ]
+    assert lines[8:12] == [
+        "Rank 2 sent no report: its process ended before it could.",
+        "",
+        "Rank 1, the highest peak, in detail:",
+        "",
+    ]
+    assert lines[12] == "torchmem: where the memory went (1.00s, exit code 1)"
+    assert ranks.exit_code == 1
+
+
+def test_a_gpu_table_shows_the_reserved_peak() -> None:
+    run = DeviceRun("cuda:0", 0, 8 * MiB, 0.5, 0, (), reserved_peak_bytes=20 * MiB)
+    report = RunRecord({"cuda:0": run}, (), 1.0)
+    text = str(assemble([payload(0, report)], range(1)))
+    assert text.splitlines()[:4] == [
+        "torchmem: memory per rank (1 rank on 1 host)",
+        "",
+        "rank  host   device   peak  reserved peak    end  most at the peak  ram peak  exit",
+        "   0  node1  cuda:0  8.00M         20.00M  0.00B  -                        -     -",
+    ]
+
+
+def test_the_json_holds_every_rank_as_a_single_process_report(tmp_path: Path) -> None:
+    ranks = assemble([payload(1, record(16 * MiB)), payload(0, record(8 * MiB))], range(2))
+    ranks.save_json(tmp_path / "ranks.json")
+    data = json.loads((tmp_path / "ranks.json").read_text())
+    assert [r["rank"] for r in data["ranks"]] == [0, 1]
+    assert data["ranks"][1]["devices"]["cpu"]["peak_bytes"] == 16 * MiB
+    assert data["ranks"][1]["host"] == "node1"
+    assert (data["world_size"], data["exit_code"], data["missing_ranks"]) == (2, 0, [])
+    assert data["imbalance"]["ratio"] == 2.0
+    assert data["imbalance"]["highest_rank"] == 1
+
+
+def test_the_html_page_opens_offline_and_the_frame_counts_bytes(tmp_path: Path) -> None:
+    ranks = assemble([payload(0, record(8 * MiB)), payload(1, record(16 * MiB))], range(2))
+    ranks.save_html(tmp_path / "ranks.html")
+    page = (tmp_path / "ranks.html").read_text()
+    assert page.startswith("<!DOCTYPE html>")
+    assert "http" not in page and "<script" not in page
+    assert page.count("<details") == 2 and "<details open><summary>rank 1" in page
+    pytest.importorskip("pandas")
+    frame = ranks.to_dataframe()
+    assert list(frame["peak_bytes"]) == [8 * MiB, 300 * MiB, 16 * MiB, 300 * MiB]
+    assert list(frame["rank"]) == [0, 0, 1, 1]
+
+
+# -- the launcher's environment and store ------------------------------------------------
+
+
+def environ(rank: int, world: int, port: int, **more: str) -> dict[str, str]:
+    return {
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        **more,
+    }
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_a_process_without_a_launcher_is_a_single_process() -> None:
+    assert Launch.from_environ({}) is None
+    assert Launch.from_environ({"RANK": "0", "WORLD_SIZE": "2"}) is None
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "message"),
+    [
+        ("RANK", "one", "RANK='one' is not a whole number"),
+        ("WORLD_SIZE", "2.5", "WORLD_SIZE='2.5' is not a whole number"),
+        ("RANK", "2", "RANK=2 is not below WORLD_SIZE=2"),
+        ("MASTER_PORT", "http", "MASTER_PORT='http' is not a whole number"),
+    ],
+)
+def test_a_bad_launcher_variable_is_named(name: str, value: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        Launch.from_environ({**environ(0, 2, 1234), name: value})
+
+
+def test_torchruns_store_keys_are_per_run_and_attempt() -> None:
+    launch = Launch.from_environ(
+        environ(
+            1,
+            2,
+            1234,
+            TORCHELASTIC_RUN_ID="abc",
+            TORCHELASTIC_RESTART_COUNT="2",
+            TORCHELASTIC_USE_AGENT_STORE="True",
+        )
+    )
+    assert launch is not None
+    assert (launch.prefix, launch.agent_store) == ("torchmem/abc/2/", True)
+
+
+def test_rank_zero_gathers_every_rank_through_the_store() -> None:
+    port = free_port()
+    zero = Launch.from_environ(environ(0, 2, port))
+    one = Launch.from_environ(environ(1, 2, port))
+    assert zero is not None and one is not None
+    zero.connect()  # rank 0 hosts the store where no torchrun agent does
+    done: list[object] = []
+
+    def rank_one() -> None:
+        one.connect()
+        done.append(one.exchange(record(16 * MiB, exit_code=1), "ValueError: boom"))
+        one.finish()  # waits until rank 0 has printed
+        done.append("finished")
+
+    thread = threading.Thread(target=rank_one)
+    thread.start()
+    ranks = zero.exchange(record(8 * MiB))
+    assert isinstance(ranks, RanksReport)
+    assert [(r.rank, r.report.devices["cpu"].peak_bytes, r.error) for r in ranks.ranks] == [
+        (0, 8 * MiB, None),
+        (1, 16 * MiB, "ValueError: boom"),
+    ]
+    assert ranks.ranks[0].host == socket.gethostname()
+    assert done == [None]  # rank 1 is still waiting for rank 0 to print
+    zero.finish()
+    thread.join(10)
+    assert done == [None, "finished"]
+
+
+def test_rank_zero_told_to_stop_reports_what_arrived() -> None:
+    zero = Launch.from_environ(environ(0, 3, free_port()))
+    assert zero is not None
+    zero.connect()
+    before = signal.getsignal(signal.SIGTERM)
+    timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGTERM))
+    timer.start()
+    ranks = zero.exchange(record(8 * MiB))
+    timer.join()
+    zero.finish()
+    assert ranks is not None
+    assert ([r.rank for r in ranks.ranks], ranks.missing, ranks.exit_code) == ([0], (1, 2), 1)
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_exchange_needs_a_connection() -> None:
+    launch = Launch.from_environ(environ(0, 1, 1234))
+    assert launch is not None
+    with pytest.raises(RuntimeError, match="connect"):
+        launch.exchange(record(1))
+
+
+# -- gather_reports on a real process group ---------------------------------------------
+
+
+def test_gathering_without_a_process_group_says_what_to_do() -> None:
+    with pytest.raises(RuntimeError, match="call init_process_group first"):
+        gather_reports(record(1))
+
+
+def test_gather_reports_on_a_one_rank_gloo_group() -> None:
+    import torch.distributed as dist
+
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        with torchmem.record("cpu") as rec:
+            x = torch.zeros(1024, 1024)
+        del x
+        ranks = torchmem.gather_reports(rec.report(), dst=None)
+        assert ranks is not None
+        assert ranks.ranks[0].report.devices["cpu"].peak_bytes >= 4 * MiB
+        assert ranks.imbalance is None
+        with pytest.raises(ValueError, match="dst=3 is not a rank of the group"):
+            gather_reports(rec.report(), dst=3)
+        with pytest.raises(ValueError, match="top must be at least 1, not 0"):
+            gather_reports(rec.report(), top=0)
+    finally:
+        dist.destroy_process_group()

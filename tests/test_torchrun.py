@@ -1,0 +1,249 @@
+"""``torchmem run`` under ``torchrun``, and ``torchmem.gather_reports`` in a training
+script: real launchers in subprocesses, real gloo process groups on CPU.
+
+In every job, rank r allocates (r + 1) x 8 MiB, so the gathered peaks differ by 8 MiB
+from one rank to the next."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from standins import MiB
+from torchmem.meters import meter
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        getattr(meter("cpu"), "backend", "") != "allocator",
+        reason="needs the counting CPU allocator (a C++ compiler)",
+    ),
+]
+
+JOB = textwrap.dedent(
+    """\
+    import os
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    x = torch.zeros((rank + 1) * 2 * 2**20, device=os.environ.get("DEVICE", "cpu"))
+    total = torch.ones(4)
+    dist.all_reduce(total)
+    del x
+    dist.barrier()
+    dist.destroy_process_group()
+    if os.environ.get("RAISE") == str(rank):
+        raise ValueError(f"boom on rank {rank}")
+    if os.environ.get("DIE") == str(rank):
+        time.sleep(1)  # rank 0 is waiting for the reports by then
+        os._exit(3)
+    """
+)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def torchrun(*words: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    command = [sys.executable, "-m", "torch.distributed.run", *words]
+    environ = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.Popen(
+        command, cwd=cwd, env=environ, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+
+
+def finished(process: subprocess.Popen[str]) -> tuple[int, str, str]:
+    out, err = process.communicate(timeout=240)
+    return process.returncode, out, err
+
+
+def job(tmp_path: Path) -> Path:
+    (tmp_path / "job.py").write_text(JOB)
+    return tmp_path
+
+
+def peaks(report: dict) -> list[int]:
+    return [rank["devices"][rank["main_device"]]["peak_bytes"] for rank in report["ranks"]]
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_rank_zero_prints_every_ranks_peak(tmp_path: Path, ranks: int) -> None:
+    code, _, err = finished(
+        torchrun(
+            "--standalone",
+            f"--nproc-per-node={ranks}",
+            "-m",
+            "torchmem",
+            "run",
+            "--json",
+            "ranks.json",
+            "job.py",
+            cwd=job(tmp_path),
+        )
+    )
+    assert code == 0, err
+    report = json.loads((tmp_path / "ranks.json").read_text())
+    assert [r["rank"] for r in report["ranks"]] == list(range(ranks))
+    assert (report["world_size"], report["missing_ranks"], report["exit_code"]) == (ranks, [], 0)
+    found = peaks(report)
+    assert [p - found[0] for p in found] == [r * 8 * MiB for r in range(ranks)]
+    assert report["imbalance"]["highest_rank"] == ranks - 1
+    assert report["imbalance"]["lowest_rank"] == 0
+    assert all(r["host"] == socket.gethostname() and r["error"] is None for r in report["ranks"])
+    assert f"torchmem: memory per rank ({ranks} ranks on 1 host, exit code 0)" in err
+    assert err.count("torchmem: memory per rank") == 1  # rank 0 alone prints
+    assert f"Imbalance on cpu: rank {ranks - 1} peaked at" in err
+    assert f"Rank {ranks - 1}, the highest peak, in detail:" in err
+
+
+def test_a_rank_that_raises_fails_the_job_and_the_others_still_report(tmp_path: Path) -> None:
+    code, _, err = finished(
+        torchrun(
+            "--standalone",
+            "--nproc-per-node=2",
+            "-m",
+            "torchmem",
+            "run",
+            "--json",
+            "ranks.json",
+            "job.py",
+            cwd=job(tmp_path),
+            env={"RAISE": "1"},
+        )
+    )
+    assert code != 0
+    assert 'raise ValueError(f"boom on rank {rank}")' in err  # the rank's own traceback
+    assert "ValueError: boom on rank 1" in err
+    assert "Rank 1 raised ValueError: boom on rank 1 (its traceback is in rank 1's output)." in err
+    report = json.loads((tmp_path / "ranks.json").read_text())
+    assert [(r["rank"], r["exit_code"]) for r in report["ranks"]] == [(0, 0), (1, 1)]
+    assert report["ranks"][1]["error"] == "ValueError: boom on rank 1"
+    assert peaks(report)[1] - peaks(report)[0] == 8 * MiB
+
+
+def test_a_rank_that_dies_is_reported_missing(tmp_path: Path) -> None:
+    code, _, err = finished(
+        torchrun(
+            "--standalone",
+            "--nproc-per-node=2",
+            "-m",
+            "torchmem",
+            "run",
+            "--json",
+            "ranks.json",
+            "job.py",
+            cwd=job(tmp_path),
+            env={"DIE": "1"},
+        )
+    )
+    assert code != 0
+    assert "Rank 1 sent no report: its process ended before it could." in err
+    report = json.loads((tmp_path / "ranks.json").read_text())
+    assert ([r["rank"] for r in report["ranks"]], report["missing_ranks"]) == ([0], [1])
+
+
+def test_two_nodes_gather_four_ranks(tmp_path: Path) -> None:
+    endpoint = f"127.0.0.1:{free_port()}"
+    words = ["--nnodes=2", "--nproc-per-node=2", "--rdzv-backend=c10d"]
+    words += [f"--rdzv-endpoint={endpoint}", "--rdzv-id=torchmem-test"]
+    nodes = [
+        torchrun(
+            *words, "-m", "torchmem", "run", "--json", f"node{n}.json", "job.py", cwd=job(tmp_path)
+        )
+        for n in range(2)
+    ]
+    results = [finished(node) for node in nodes]
+    assert [code for code, _, _ in results] == [0, 0], results
+    written = [path for path in tmp_path.glob("node*.json")]
+    assert len(written) == 1  # by rank 0, on whichever node it was
+    report = json.loads(written[0].read_text())
+    assert [r["rank"] for r in report["ranks"]] == [0, 1, 2, 3]
+    found = peaks(report)
+    assert [p - found[0] for p in found] == [r * 8 * MiB for r in range(4)]
+
+
+API = textwrap.dedent(
+    """\
+    import json
+
+    import torch
+    import torch.distributed as dist
+
+    import torchmem
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    with torchmem.record("cpu") as rec:
+        x = torch.zeros((rank + 1) * 2 * 2**20)
+        del x
+    on_zero = torchmem.gather_reports(rec.report())
+    everywhere = torchmem.gather_reports(rec.report(), dst=None)
+    print(json.dumps({
+        "rank": rank,
+        "on_zero": None if on_zero is None else on_zero.to_json(),
+        "everywhere": [r.report.devices["cpu"].peak_bytes for r in everywhere.ranks],
+    }))
+    if rank == 0:
+        print(on_zero)
+    dist.destroy_process_group()
+    """
+)
+
+
+def test_gather_reports_inside_a_training_script(tmp_path: Path) -> None:
+    (tmp_path / "train.py").write_text(API)
+    code, out, err = finished(
+        torchrun("--standalone", "--nproc-per-node=2", "train.py", cwd=tmp_path)
+    )
+    assert code == 0, err
+    lines = {}
+    for line in out.splitlines():
+        if line.startswith("{"):
+            data = json.loads(line)
+            lines[data["rank"]] = data
+    assert lines[1]["on_zero"] is None
+    on_zero = lines[0]["on_zero"]
+    assert [r["rank"] for r in on_zero["ranks"]] == [0, 1]
+    found = peaks(on_zero)
+    assert found[1] - found[0] == 8 * MiB
+    assert lines[0]["everywhere"] == lines[1]["everywhere"] == found
+    assert "torchmem: memory per rank (2 ranks on 1 host)" in out
+
+
+@pytest.mark.cuda
+def test_two_ranks_sharing_one_cuda_gpu(tmp_path: Path) -> None:
+    code, _, err = finished(
+        torchrun(
+            "--standalone",
+            "--nproc-per-node=2",
+            "-m",
+            "torchmem",
+            "run",
+            "--json",
+            "ranks.json",
+            "job.py",
+            cwd=job(tmp_path),
+            env={"DEVICE": "cuda:0"},
+        )
+    )
+    assert code == 0, err
+    print(err)
+    report = json.loads((tmp_path / "ranks.json").read_text())
+    assert [r["main_device"] for r in report["ranks"]] == ["cuda:0", "cuda:0"]
+    found = peaks(report)
+    assert found[1] - found[0] == 8 * MiB
+    assert report["imbalance"]["kind"] == "cuda"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -247,3 +248,37 @@ def test_two_ranks_sharing_one_cuda_gpu(tmp_path: Path) -> None:
     found = peaks(report)
     assert found[1] - found[0] == 8 * MiB
     assert report["imbalance"]["kind"] == "cuda"
+
+
+def readme_sample() -> list[str]:
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = readme.split("## Many processes: torchrun", 1)[1]
+    return section.split("```text\n", 1)[1].split("```", 1)[0].splitlines()
+
+
+def machine_masked(line: str) -> str:
+    """`line` without this machine's name, its RAM peak and durations."""
+    cells = re.sub(r"\d+\.\d\ds\b", "<seconds>", line).split()
+    if cells and cells[0].isdigit() and len(cells) == 9:
+        cells[1], cells[7] = "<host>", "<ram>"
+    return " ".join(cells)
+
+
+def test_the_readmes_torchrun_sample_is_what_the_example_prints(tmp_path: Path) -> None:
+    root = Path(__file__).resolve().parent.parent
+    code, _, err = finished(
+        torchrun(
+            "--standalone",
+            "--nproc-per-node=2",
+            "-m",
+            "torchmem",
+            "run",
+            "examples/ddp.py",
+            cwd=root,
+        )
+    )
+    assert code == 0, err
+    printed = [machine_masked(line) for line in err.splitlines()]
+    for line in readme_sample():
+        if line != "...":
+            assert machine_masked(line) in printed

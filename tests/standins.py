@@ -39,7 +39,7 @@ import pytest
 import torch
 
 import torchmem.meters
-from torchmem.meters import nvml as torchmem_nvml
+from torchmem.meters import allocator, nvml as torchmem_nvml
 
 KiB = 2**10
 MiB = 2**20
@@ -72,6 +72,7 @@ def isolated(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     carry stand-ins from one test into the next.
     """
     monkeypatch.setattr(torchmem.meters, "_meters", {})
+    monkeypatch.setattr(allocator, "_watching", {})  # no window left open by another test
     torchmem_nvml.nvml.cache_clear()
     try:
         yield
@@ -352,10 +353,15 @@ class CudaStandIn:
         """Arguments of each call to a :meth:`tensor_factory` stand-in."""
 
     def install(self, monkeypatch: pytest.MonkeyPatch, environ: bool = True) -> CudaStandIn:
-        """Replace the ``torch.cuda`` functions (and, with `environ`, set the environment
-        CUDA would have read) for the rest of the test."""
+        """Replace the ``torch.cuda`` functions, and ``torch._C._cuda_resetPeakMemoryStats``
+        with :meth:`allocator_reset_peaks` (and, with `environ`, set the environment CUDA
+        would have read) for the rest of the test."""
         for name in self.FUNCTIONS:
             monkeypatch.setattr(torch.cuda, name, getattr(self, name))
+        # Absent from CPU builds of PyTorch: raising=False, and the undo deletes it.
+        monkeypatch.setattr(
+            torch._C, "_cuda_resetPeakMemoryStats", self.allocator_reset_peaks, raising=False
+        )
         if not environ:
             return self
         for variable, value in (
@@ -477,9 +483,17 @@ class CudaStandIn:
         return self._gpu(index).allocator.current("reserved_bytes.all")
 
     def reset_peak_memory_stats(self, device: Any = None) -> None:
-        index = self._index(device)
-        self.calls.append(("reset_peak_memory_stats", index))
-        self._gpu(index).allocator.reset_peaks()
+        """As in torch: ``torch._C._cuda_resetPeakMemoryStats``, looked up at each call, with
+        the device's index (so torchmem's interception sees it)."""
+        torch._C._cuda_resetPeakMemoryStats(self._index(device))
+
+    def allocator_reset_peaks(self, device: int) -> None:
+        """Stand-in for ``torch._C._cuda_resetPeakMemoryStats``, the allocator's own reset,
+        which :meth:`install` puts there: every public reset ends here. Called directly, it
+        stands for a reset nothing in Python can intercept (one made from C++). Recorded in
+        :attr:`calls` as ``("reset_peak_memory_stats", device)``."""
+        self.calls.append(("reset_peak_memory_stats", device))
+        self._gpu(device).allocator.reset_peaks()
 
     def mem_get_info(self, device: Any = None) -> tuple[int, int]:
         index = self._index(device)

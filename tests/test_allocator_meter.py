@@ -7,13 +7,15 @@ allocator, so every number here is known to the byte.
 from __future__ import annotations
 
 import re
+import warnings
+from collections.abc import Callable
 
 import pytest
 import torch
 
 from standins import CudaStandIn, GiB, MiB, StandInGpu, gpu_uuid
-from torchmem import TorchmemError, meter
-from torchmem.meters import AllocatorMeter
+from torchmem import TorchmemError, TorchmemWarning, meter
+from torchmem.meters import AllocatorMeter, allocator
 
 pytestmark = pytest.mark.usefixtures("isolated_meters")
 
@@ -276,3 +278,201 @@ def test_close_freezes_the_peak(cuda: CudaStandIn) -> None:
         window.restart()
     with m.window() as later:  # a new window does not inherit the closed one's peak
         assert later.peak() == 0
+
+
+# Resets by other code ----------------------------------------------------------------------
+
+
+def allocator_reset(cuda: CudaStandIn) -> object:
+    """What ``torch._C._cuda_resetPeakMemoryStats`` is when torchmem intercepts nothing."""
+    return cuda.allocator_reset_peaks
+
+
+def intercepting() -> bool:
+    """Whether torchmem's interceptor is ``torch._C._cuda_resetPeakMemoryStats`` now."""
+    return getattr(torch._C._cuda_resetPeakMemoryStats, "__qualname__", "").startswith(
+        "intercept_peak_resets"
+    )
+
+
+OTHER_RESETS = {
+    "torch.cuda.reset_peak_memory_stats()": lambda: torch.cuda.reset_peak_memory_stats(),
+    "torch.cuda.memory.reset_peak_memory_stats(0)": lambda: (
+        torch.cuda.memory.reset_peak_memory_stats(0)
+    ),
+    "torch.cuda.reset_max_memory_allocated()": lambda: torch.cuda.reset_max_memory_allocated(),
+    "torch.cuda.reset_max_memory_cached('cuda:0')": lambda: torch.cuda.reset_max_memory_cached(
+        "cuda:0"
+    ),
+    "torch.cuda.memory.reset_peak_memory_stats(torch.device('cuda'))": lambda: (
+        torch.cuda.memory.reset_peak_memory_stats(torch.device("cuda"))
+    ),
+}
+"""Every public way to reset the peaks (PyTorch's own functions but the first, which is the
+stand-in's), on device 0, the current one."""
+
+
+@pytest.mark.parametrize("reset", OTHER_RESETS.values(), ids=OTHER_RESETS.keys())
+@pytest.mark.filterwarnings("ignore:torch.cuda.reset_max_memory")  # PyTorch's own warning
+@pytest.mark.filterwarnings("error::torchmem.TorchmemWarning")
+def test_a_window_keeps_its_peak_across_a_reset_by_other_code(
+    cuda: CudaStandIn, reset: Callable[[], None]
+) -> None:
+    m = meter("cuda:0")
+    cuda.alloc(0, 1 * MiB)
+    with m.window() as window:
+        cuda.alloc(0, 4 * MiB)
+        cuda.spike(0, 8 * MiB)
+        assert window.peak() == 13 * MiB
+        reset()  # as DeepSpeed's see_memory_usage does after each print
+        assert torch.cuda.max_memory_allocated(0) == 5 * MiB  # the caller's view: reset
+        assert window.peak() == 13 * MiB
+        cuda.spike(0, 2 * MiB)
+        assert torch.cuda.max_memory_allocated(0) == 7 * MiB
+        assert window.peak() == 13 * MiB
+    assert window.peak() == 13 * MiB
+    assert not window.missed_reset  # seen, so nothing was missed
+
+
+def test_nested_windows_both_stay_exact_across_resets_by_other_code(cuda: CudaStandIn) -> None:
+    m = meter("cuda:0")
+    cuda.alloc(0, 2 * MiB)
+    with m.window() as outer:
+        cuda.spike(0, 12 * MiB)
+        torch.cuda.reset_peak_memory_stats()
+        with m.window() as inner:
+            cuda.spike(0, 3 * MiB)
+            torch.cuda.reset_peak_memory_stats(0)
+            cuda.spike(0, 1 * MiB)
+            assert inner.peak() == 5 * MiB
+            assert outer.peak() == 14 * MiB
+            torch.cuda.reset_peak_memory_stats()
+        cuda.spike(0, 4 * MiB)
+        torch.cuda.reset_peak_memory_stats()
+    assert (inner.peak(), outer.peak()) == (5 * MiB, 14 * MiB)
+    assert torch.cuda.max_memory_allocated(0) == 2 * MiB
+
+
+def test_a_reset_of_another_device_folds_only_that_device(cuda: CudaStandIn) -> None:
+    m0, m1 = meter("cuda:0"), meter("cuda:1")
+    with m0.window() as w0, m1.window() as w1:
+        cuda.spike(0, 3 * MiB)
+        cuda.spike(1, 5 * MiB)
+        cuda.calls.clear()
+        torch.cuda.reset_peak_memory_stats("cuda:1")
+        assert cuda.devices("memory_stats_as_nested_dict") == [1]
+        torch.cuda.set_device(1)
+        torch.cuda.reset_peak_memory_stats()  # the current device: 1
+        assert cuda.devices("memory_stats_as_nested_dict") == [1, 1]
+        assert cuda.devices("reset_peak_memory_stats") == [1, 1]
+        assert (w0.peak(), w1.peak()) == (3 * MiB, 5 * MiB)
+        assert torch.cuda.max_memory_allocated(0) == 3 * MiB  # device 0 was not reset
+
+
+def test_the_interceptor_is_there_only_while_a_window_is_open(cuda: CudaStandIn) -> None:
+    m0, m1 = meter("cuda:0"), meter("cuda:1")
+    assert torch._C._cuda_resetPeakMemoryStats == allocator_reset(cuda)
+    first = m0.window()
+    assert intercepting()
+    second = m1.window()
+    first.close()
+    assert intercepting()  # a window is still open on another meter
+    second.close()
+    assert torch._C._cuda_resetPeakMemoryStats == allocator_reset(cuda)
+    with pytest.raises(ZeroDivisionError), m0.window():
+        assert intercepting()
+        1 / 0  # noqa: B018
+    assert torch._C._cuda_resetPeakMemoryStats == allocator_reset(cuda)
+    with pytest.warns(ResourceWarning, match="never closed"):
+        m1.window()  # dropped open at once
+    assert torch._C._cuda_resetPeakMemoryStats == allocator_reset(cuda)
+
+
+def test_a_function_put_there_after_the_interceptor_is_left_alone(
+    cuda: CudaStandIn, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    m = meter("cuda:0")
+    theirs_calls: list[object] = []
+    with m.window() as window:
+        ours = torch._C._cuda_resetPeakMemoryStats
+
+        def theirs(device: object) -> None:
+            theirs_calls.append(device)
+            ours(device)
+
+        monkeypatch.setattr(torch._C, "_cuda_resetPeakMemoryStats", theirs)
+    assert torch._C._cuda_resetPeakMemoryStats is theirs
+    with m.window() as window:  # intercepts theirs, which still calls the first one
+        assert theirs_calls == [0]  # the meter's own reset goes through theirs too
+        cuda.spike(0, 6 * MiB)
+        torch.cuda.reset_peak_memory_stats()
+        assert window.peak() == 6 * MiB
+        assert theirs_calls == [0, 0]
+    assert torch._C._cuda_resetPeakMemoryStats is theirs
+    torch.cuda.reset_peak_memory_stats()
+    assert theirs_calls == [0, 0, 0]
+
+
+def test_the_meter_s_own_resets_do_not_go_through_the_interceptor(
+    cuda: CudaStandIn, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    folds: list[object] = []
+    fold = allocator._fold_before_reset
+
+    def counting(kind: str, device: object, reset: Callable[[object], object]) -> object:
+        folds.append(device)
+        return fold(kind, device, reset)
+
+    monkeypatch.setattr(allocator, "_fold_before_reset", counting)
+    m = meter("cuda:0")
+    with m.window() as outer, m.window() as window:
+        cuda.calls.clear()
+        window.restart()
+        assert cuda.count("reset_peak_memory_stats") == 1
+        assert cuda.count("memory_stats_as_nested_dict") == 1  # one fold, not two
+        window.lap()
+        assert outer.peak() == 0
+        assert folds == []
+        torch.cuda.reset_peak_memory_stats()
+        assert folds == [0]
+
+
+def test_a_reset_that_cannot_be_intercepted_marks_the_open_windows(cuda: CudaStandIn) -> None:
+    m = meter("cuda:0")
+    with m.window() as outer:
+        cuda.alloc(0, 4 * MiB)
+        with m.window() as inner:
+            cuda.spike(0, 8 * MiB)
+            assert inner.peak() == 12 * MiB
+            cuda.free(0, 4 * MiB)
+            assert not inner.missed_reset
+            cuda.allocator_reset_peaks(0)  # from C++: nothing in Python sees it
+            with pytest.warns(TorchmemWarning, match=r"cuda:0 .* 2 open window"):
+                assert inner.peak() == 12 * MiB  # what it read before, no more
+            assert inner.missed_reset and outer.missed_reset
+            cuda.spike(0, 2 * MiB)
+            assert inner.peak() == 12 * MiB
+            cuda.allocator_reset_peaks(0)  # seen at the next read, as 2 MiB fell to 0
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")  # a warning once per window only
+                inner.close()
+        assert inner.peak() == 12 * MiB
+        with m.window() as later:
+            assert not later.missed_reset
+    assert outer.missed_reset and outer.peak() == 12 * MiB
+    assert torch.cuda.max_memory_allocated(0) == 0
+
+
+def test_a_missed_reset_shows_at_the_next_lap_when_use_fell_below_its_start(
+    cuda: CudaStandIn,
+) -> None:
+    m = meter("cuda:0")
+    cuda.alloc(0, 4 * MiB)
+    with m.window() as window:
+        window.lap()  # the line profiler, at each line
+        cuda.spike(0, 8 * MiB)  # never read
+        cuda.free(0, 4 * MiB)
+        cuda.allocator_reset_peaks(0)
+        with pytest.warns(TorchmemWarning):
+            assert window.lap()["allocated_bytes.all"] == 4 * MiB
+        assert window.missed_reset

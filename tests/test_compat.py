@@ -9,6 +9,7 @@ import sys
 import textwrap
 import threading
 import types
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -205,3 +206,72 @@ def test_a_pytorch_without_the_private_symbols() -> None:
         The CPU tensor meter needs torch.utils._python_dispatch.TorchDispatchMode, which this \
 PyTorch {torch.__version__} (Python {sys.version.split()[0]}) does not have""")
     assert sizes == "[44]"  # its inner tensors: five float32 values, three int64 offsets
+
+
+# Intercepting resets of the allocator's peaks ---------------------------------------------
+
+
+@pytest.fixture
+def pytorch_reset(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, object]]:
+    """Stand-in for ``torch._C._<backend>_resetPeakMemoryStats`` of a backend named
+    ``"standin"``, recording ``("reset", device)``; no interceptor installed before."""
+    calls: list[tuple[str, object]] = []
+
+    def standin_reset(device: object) -> str:
+        calls.append(("reset", device))
+        return "done"
+
+    monkeypatch.setattr(torch._C, "_standin_resetPeakMemoryStats", standin_reset, raising=False)
+    monkeypatch.setattr(_compat, "_interceptors", {})
+    return calls
+
+
+def recording_hook(calls: list[tuple[str, object]]) -> _compat.PeakResetHook:
+    def hook(device: object, reset: Callable[[object], object]) -> object:
+        calls.append(("hook", device))
+        return reset(device)
+
+    return hook
+
+
+def test_peak_resets_are_intercepted_until_given_back(
+    pytorch_reset: list[tuple[str, object]],
+) -> None:
+    pytorch_s = torch._C._standin_resetPeakMemoryStats
+    assert _compat.peak_reset("standin") is pytorch_s
+    assert _compat.intercept_peak_resets("standin", recording_hook(pytorch_reset))
+    interceptor = torch._C._standin_resetPeakMemoryStats
+    assert interceptor is not pytorch_s
+    assert _compat.intercept_peak_resets("standin", recording_hook(pytorch_reset))
+    assert torch._C._standin_resetPeakMemoryStats is interceptor  # already in place
+    assert interceptor(3) == "done"
+    assert pytorch_reset == [("hook", 3), ("reset", 3)]
+    assert _compat.peak_reset("standin") is pytorch_s  # passing by the hook
+    assert _compat.stop_intercepting_peak_resets("standin")
+    assert torch._C._standin_resetPeakMemoryStats is pytorch_s
+    assert not _compat.stop_intercepting_peak_resets("standin")
+
+
+def test_a_function_put_over_the_interceptor_stays(
+    pytorch_reset: list[tuple[str, object]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _compat.intercept_peak_resets("standin", recording_hook(pytorch_reset))
+    interceptor = torch._C._standin_resetPeakMemoryStats
+
+    def theirs(device: object) -> object:
+        pytorch_reset.append(("theirs", device))
+        return interceptor(device)
+
+    monkeypatch.setattr(torch._C, "_standin_resetPeakMemoryStats", theirs)
+    assert _compat.peak_reset("standin") is theirs  # they may want to see every reset
+    assert not _compat.stop_intercepting_peak_resets("standin")
+    assert torch._C._standin_resetPeakMemoryStats is theirs
+    theirs(0)
+    assert pytorch_reset == [("theirs", 0), ("hook", 0), ("reset", 0)]
+
+
+def test_a_backend_without_a_peak_reset_is_not_intercepted(fresh_missing: list[str]) -> None:
+    assert not _compat.intercept_peak_resets("nosuchbackend", recording_hook([]))
+    assert _compat.peak_reset("nosuchbackend") is None
+    assert not _compat.stop_intercepting_peak_resets("nosuchbackend")
+    assert fresh_missing == []  # CPU builds lack torch._C._cuda_resetPeakMemoryStats

@@ -119,6 +119,22 @@ def test_nested_windows_are_each_exact() -> None:
     del kept
 
 
+def test_a_window_keeps_its_peak_across_a_reset_of_the_peak_stats() -> None:
+    m = meter("cuda")
+    pytorch_s = torch._C._cuda_resetPeakMemoryStats
+    with m.window() as window:
+        assert torch._C._cuda_resetPeakMemoryStats is not pytorch_s  # intercepted
+        temporary = empty(64 * MiB)
+        del temporary
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()  # as DeepSpeed's see_memory_usage does
+        assert torch.cuda.max_memory_allocated() == m.used()  # the caller's view: reset
+        assert window.peak() - window.start >= 64 * MiB
+    assert window.peak() - window.start >= 64 * MiB
+    assert not window.missed_reset
+    assert torch._C._cuda_resetPeakMemoryStats is pytorch_s
+
+
 def test_tensor_meter_on_cuda_counts_the_same_storage_bytes() -> None:
     allocator = meter("cuda")
     tensors = TensorMeter("cuda")

@@ -1,7 +1,8 @@
 """Every private PyTorch or CPython symbol torchmem uses, behind one door.
 
-Each symbol is looked up once, here, when torchmem first needs PyTorch. Where a release
-lacks it, torchmem falls back to a public way of doing the same thing, or, where there
+Each symbol is looked up once, here, when torchmem first needs PyTorch (the allocator's
+peak reset at each use: see :func:`intercept_peak_resets`). Where a release lacks it,
+torchmem falls back to a public way of doing the same thing, or, where there
 is none, the feature that needs it raises :class:`~torchmem.errors.TorchmemError` naming
 the symbol and the PyTorch (or Python) version, and every other feature keeps working.
 :func:`missing` lists what this installation lacks; the test suite checks it is empty
@@ -210,6 +211,74 @@ def cuda_history_stop(device: int | None) -> dict[str, Any]:
         return _SNAPSHOT(device)  # type: ignore[no-any-return]
     finally:
         _RECORD_HISTORY(None)
+
+
+# Peak-counter resets -------------------------------------------------------------------
+# torch.cuda.reset_peak_memory_stats, and every public function that resets the caching
+# allocator's peaks (reset_max_memory_allocated, reset_max_memory_cached, their
+# torch.cuda.memory twins), looks up torch._C._cuda_resetPeakMemoryStats when called;
+# torch.xpu likewise _xpu_resetPeakMemoryStats. Replacing that one attribute sees every
+# reset made from Python. It is looked up at each use, not once at import: builds
+# without the backend lack it (and record nothing in missing()), and others may replace it.
+
+PeakResetHook = Callable[[Any, Callable[[Any], Any]], Any]
+"""What runs instead of a reset of the peaks: ``hook(device, reset)``, with the device
+argument the caller passed and the function that was replaced, which the hook must call
+as ``reset(device)`` (returning what it returns) for the reset to happen."""
+
+_interceptors: dict[str, tuple[Callable[..., Any], Callable[..., Any]]] = {}
+"""The interceptor installed by :func:`intercept_peak_resets` and the function it
+replaced, by backend."""
+
+
+def _reset_name(backend: str) -> str:
+    return f"_{backend}_resetPeakMemoryStats"
+
+
+def intercept_peak_resets(backend: str, hook: PeakResetHook) -> bool:
+    """Make every reset of the peak counters of `backend`'s caching allocator (``"cuda"``,
+    ``"xpu"``) that goes through Python run `hook` instead, by replacing
+    ``torch._C._<backend>_resetPeakMemoryStats``. Nothing changes where it is in place.
+    False where this PyTorch has no such function (a CPU build): resets are not seen then."""
+    name = _reset_name(backend)
+    current = getattr(torch._C, name, None)
+    if current is None:
+        return False
+    installed = _interceptors.get(backend)
+    if installed is not None and installed[0] is current:
+        return True
+
+    def intercept(device: Any = None) -> Any:
+        return hook(device, current)
+
+    setattr(torch._C, name, intercept)
+    _interceptors[backend] = (intercept, current)
+    return True
+
+
+def stop_intercepting_peak_resets(backend: str) -> bool:
+    """Put back the function :func:`intercept_peak_resets` replaced, unless other code
+    replaced the interceptor since: that code keeps its own function (which may still call
+    the interceptor, whose hook then runs as before). True if the function was put back."""
+    installed = _interceptors.pop(backend, None)
+    name = _reset_name(backend)
+    if installed is None or getattr(torch._C, name, None) is not installed[0]:
+        return False
+    setattr(torch._C, name, installed[1])
+    return True
+
+
+def peak_reset(backend: str) -> Callable[[int], Any] | None:
+    """The function that resets the peak counters of `backend`'s caching allocator on one
+    device (its index), passing by the hook of :func:`intercept_peak_resets`: the function
+    the interceptor replaced while it is installed, else
+    ``torch._C._<backend>_resetPeakMemoryStats``. None where this PyTorch has none (use
+    the public ``reset_peak_memory_stats``)."""
+    current = getattr(torch._C, _reset_name(backend), None)
+    installed = _interceptors.get(backend)
+    if installed is not None and installed[0] is current:
+        return installed[1]
+    return current
 
 
 # Fake tensors (the estimator) -----------------------------------------------------------

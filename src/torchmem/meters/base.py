@@ -224,6 +224,11 @@ class Window:
         """The meter this window watches."""
         self.start = 0
         """Bytes in use (the meter's default stat) when the window opened or last restarted."""
+        self.missed_reset = False
+        """True once the meter found that other code reset the pool's peak counter while
+        this window was open, in a way it could not intercept (from C++): :meth:`peak` then
+        counts only from that reset, and may be too low. It stays True after
+        :meth:`restart`. Only the allocator meters (CUDA, XPU) set it."""
         self._folded: dict[str, int] = {}
         self._final: dict[str, int] | None = None
         self._ref: WindowRef | None = None

@@ -132,7 +132,7 @@ def test_the_table_says_each_ranks_peak_and_who_raised() -> None:
         "Rank 1 raised ValueError: boom (its traceback is in rank 1's output).",
     ]
     assert lines[8:12] == [
-        "Rank 2 sent no report: its process ended before it could.",
+        "Rank 2 sent no report: it died, or had not finished by then.",
         "",
         "Rank 1, the highest peak, in detail:",
         "",
@@ -242,8 +242,7 @@ def test_rank_zero_gathers_every_rank_through_the_store() -> None:
     def rank_one() -> None:
         one.connect()
         done.append(one.exchange(record(16 * MiB, exit_code=1), "ValueError: boom"))
-        one.finish()  # waits until rank 0 has printed
-        done.append("finished")
+        one.finish()
 
     thread = threading.Thread(target=rank_one)
     thread.start()
@@ -254,10 +253,11 @@ def test_rank_zero_gathers_every_rank_through_the_store() -> None:
         (1, 16 * MiB, "ValueError: boom"),
     ]
     assert ranks.ranks[0].host == socket.gethostname()
-    assert done == [None]  # rank 1 is still waiting for rank 0 to print
+    thread.join(0.3)
+    assert done == []  # rank 1 failed: it waits until rank 0 has printed
     zero.finish()
     thread.join(10)
-    assert done == [None, "finished"]
+    assert done == [None]
 
 
 def test_rank_zero_told_to_stop_reports_what_arrived() -> None:
@@ -309,3 +309,52 @@ def test_gather_reports_on_a_one_rank_gloo_group() -> None:
             gather_reports(rec.report(), top=0)
     finally:
         dist.destroy_process_group()
+
+
+def test_after_a_failure_rank_zero_waits_only_a_grace_period(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("torchmem.ranks.GRACE", 0.2)
+    port = free_port()
+    zero, one = (Launch.from_environ(environ(r, 3, port)) for r in (0, 1))
+    assert zero is not None and one is not None
+    zero.connect()
+    one.connect()
+    failed: list[object] = []
+    thread = threading.Thread(
+        target=lambda: failed.append(one.exchange(record(16 * MiB, exit_code=1), "OOM"))
+    )
+    thread.start()
+    ranks = zero.exchange(record(8 * MiB))  # rank 2 never comes: stuck in a collective
+    assert ranks is not None
+    assert ([r.rank for r in ranks.ranks], ranks.missing) == ([0, 1], (2,))
+    zero.finish()
+    thread.join(10)
+    assert failed == [None]  # rank 0 printed: rank 1 does not
+
+
+def test_a_failed_rank_prints_what_arrived_when_rank_zero_does_not(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("torchmem.ranks.GRACE", 0.2)
+    port = free_port()
+    zero, one, two = (Launch.from_environ(environ(r, 3, port)) for r in (0, 1, 2))
+    assert zero is not None and one is not None and two is not None
+    zero.connect()  # hosts the store, then is stuck in the script: never reports
+    one.connect()
+    two.connect()
+    second: list[object] = []
+    thread = threading.Thread(
+        target=lambda: second.append(two.exchange(record(24 * MiB, exit_code=1), "OOM"))
+    )
+    thread.start()
+    ranks = one.exchange(record(16 * MiB, exit_code=1), "ValueError: boom")
+    thread.join(10)
+    printed = [r for r in (ranks, *second) if r is not None]
+    assert len(printed) == 1  # by whichever failed rank claimed it first
+    assert printed[0].missing == (0,)
+    assert [(r.rank, r.error) for r in printed[0].ranks] in (
+        [(1, "ValueError: boom"), (2, "OOM")],
+        [(1, "ValueError: boom")],
+        [(2, "OOM")],
+    )

@@ -39,6 +39,8 @@ JOB = textwrap.dedent(
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     x = torch.zeros((rank + 1) * 2 * 2**20, device=os.environ.get("DEVICE", "cpu"))
+    if os.environ.get("STUCK") == str(rank):  # the others wait in all_reduce for it
+        raise MemoryError(f"out of memory on rank {rank}")
     total = torch.ones(4)
     dist.all_reduce(total)
     del x
@@ -136,6 +138,34 @@ def test_a_rank_that_raises_fails_the_job_and_the_others_still_report(tmp_path: 
     assert peaks(report)[1] - peaks(report)[0] == 8 * MiB
 
 
+def test_a_rank_that_fails_while_the_others_wait_for_it_reports_itself(tmp_path: Path) -> None:
+    code, _, err = finished(
+        torchrun(
+            "--standalone",
+            "--nproc-per-node=2",
+            "-m",
+            "torchmem",
+            "run",
+            "--json",
+            "ranks.json",
+            "job.py",
+            cwd=job(tmp_path),
+            env={"STUCK": "1"},
+        )
+    )
+    assert code != 0
+    assert "MemoryError: out of memory on rank 1" in err
+    assert "Rank 0 sent no report: it died, or had not finished by then." in err
+    assert "Rank 1 raised MemoryError: out of memory on rank 1" in err
+    # Rank 1 printed, and wrote, what had arrived. Rank 0's all_reduce may then fail too
+    # (gloo sees rank 1 go) before the launcher stops it: its own table follows, and its
+    # JSON replaces rank 1's.
+    report = json.loads((tmp_path / "ranks.json").read_text())
+    assert report["ranks"][-1]["rank"] == 1
+    assert report["ranks"][-1]["error"] == "MemoryError: out of memory on rank 1"
+    assert peaks(report)[-1] == 16 * MiB
+
+
 def test_a_rank_that_dies_is_reported_missing(tmp_path: Path) -> None:
     code, _, err = finished(
         torchrun(
@@ -152,7 +182,7 @@ def test_a_rank_that_dies_is_reported_missing(tmp_path: Path) -> None:
         )
     )
     assert code != 0
-    assert "Rank 1 sent no report: its process ended before it could." in err
+    assert "Rank 1 sent no report: it died, or had not finished by then." in err
     report = json.loads((tmp_path / "ranks.json").read_text())
     assert ([r["rank"] for r in report["ranks"]], report["missing_ranks"]) == ([0], [1])
 

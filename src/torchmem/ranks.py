@@ -20,6 +20,7 @@ import json
 import os
 import signal
 import socket
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -34,6 +35,10 @@ TOP = 10
 """How many sites, allocations and modules the highest rank's detail lists by default."""
 POLL = 0.05
 """Seconds between two looks at the store while waiting for other ranks."""
+GRACE = 10.0
+"""Seconds the ranks wait for each other once a rank's script has failed: a rank still
+running is likely stuck in a collective the failed one never joined, until its backend's
+timeout (10 to 30 minutes), and the launcher stops every rank once the failed one exits."""
 CONNECT_TIMEOUT = timedelta(minutes=5)
 """How long a rank tries to reach the launcher's store."""
 
@@ -240,47 +245,81 @@ class Launch:
     def exchange(
         self, report: RunRecord, error: str | None = None, *, top: int = TOP
     ) -> RanksReport | None:
-        """Send this rank's report; on rank 0, wait for every rank's and return them all.
+        """Send this rank's report; return the reports to print here, or None.
 
-        Rank 0 stops waiting when it is asked to terminate (``SIGTERM``: the launcher
-        does that once a rank died without a report) and returns what arrived, the rest
-        as missing. Other ranks return None at once; call :meth:`finish` before exiting.
+        Rank 0 waits for every rank's report and returns them all. It stops waiting
+        early, and returns what arrived (the rest as missing), when it is asked to
+        terminate (``SIGTERM``: the launcher does that once a rank died), or :data:`GRACE`
+        seconds after it learns that a rank's script failed: the other ranks may be stuck
+        in a collective that the failed rank never joined.
+
+        A rank whose script failed waits until rank 0 has printed (:meth:`finish`), so
+        that its exit does not make the launcher stop rank 0 first. Where rank 0 has not
+        printed within :data:`GRACE` seconds (it may be stuck, or dead), one such rank
+        returns what arrived, to print it instead. Every other rank returns None at once.
         """
         store = self._store
         if store is None:
             raise RuntimeError("connect() first")
+        failed = bool(report.exit_code)
         store.set(f"report/{self.rank}", _payload(self.rank, report, error))
-        if self.rank != 0:
+        if failed:
+            store.add("failed", 1)
+        store.add("sent", 1)
+        if self.rank == 0:
+            store.set("gathering", "1")
+            everyone = lambda: store.add("sent", 0) >= self.world_size  # noqa: E731
+            _wait_for(everyone, failure=lambda: failed or store.add("failed", 0) > 0)
+            return self._arrived(top)
+        if not failed:
             return None
+        try:
+            # Rank 0 prints within GRACE once it is gathering; until then it may be stuck.
+            deadline = time.monotonic() + GRACE
+
+            def settled() -> bool:
+                if store.check(["printed"]):
+                    return True
+                return time.monotonic() >= deadline and not store.check(["gathering"])
+
+            _wait_for(settled, failure=lambda: False)
+            if store.check(["printed"]):
+                return None
+            # One of the failed ranks prints, the first to claim it.
+            if store.compare_set("printer", "", str(self.rank)) != str(self.rank).encode():
+                return None
+            return self._arrived(top)
+        except RuntimeError:  # the store went away with rank 0
+            return None
+
+    def _arrived(self, top: int) -> RanksReport:
+        store = self._store
         keys = [f"report/{rank}" for rank in range(self.world_size)]
-        _wait_for(lambda: store.check(keys), stop_on_sigterm=True)
         payloads = [json.loads(store.get(key)) for key in keys if store.check([key])]
         return assemble(payloads, range(self.world_size), top=top)
 
     def finish(self) -> None:
-        """On rank 0: say the report is out. Elsewhere: wait until rank 0 says so, so
-        that a rank about to exit with an error does not make the launcher stop rank 0
-        before it has printed."""
-        store = self._store
-        if store is None:
-            return
-        try:
-            if self.rank == 0:
-                store.set("printed", "1")
-            else:
-                _wait_for(lambda: store.check(["printed"]), stop_on_sigterm=False)
-        except RuntimeError:  # the store went away with rank 0: nothing left to wait for
-            pass
+        """On rank 0, after printing: tell the ranks whose scripts failed that they may
+        exit now."""
+        if self._store is not None and self.rank == 0:
+            self._store.set("printed", "1")
 
 
-def _wait_for(done: Callable[[], bool], *, stop_on_sigterm: bool) -> None:
-    """Poll `done` until it is true, or (with `stop_on_sigterm`) until SIGTERM arrives."""
+def _wait_for(done: Callable[[], bool], *, failure: Callable[[], bool]) -> None:
+    """Poll `done` until it is true, until ``SIGTERM`` arrives, or until :data:`GRACE`
+    seconds after `failure` first said true."""
     stopped: list[int] = []
     previous = None
-    if stop_on_sigterm:
+    if threading.current_thread() is threading.main_thread():  # where handlers can be set
         previous = signal.signal(signal.SIGTERM, lambda number, frame: stopped.append(number))
+    failed_at = None
     try:
         while not stopped and not done():
+            now = time.monotonic()
+            if failed_at is None and failure():
+                failed_at = now
+            if failed_at is not None and now - failed_at >= GRACE:
+                return
             time.sleep(POLL)
     finally:
         if previous is not None:

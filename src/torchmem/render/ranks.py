@@ -114,7 +114,7 @@ def _remarks(record: RanksRecord) -> list[str]:
                 " output)."
             )
     for rank in record.missing:
-        lines.append(f"Rank {rank} sent no report: its process ended before it could.")
+        lines.append(f"Rank {rank} sent no report: it died, or had not finished by then.")
     return lines
 
 

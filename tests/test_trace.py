@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import torchmem
-from standins import MiB, call_in_fresh_process_without_gpu
+from standins import CudaStandIn, MiB, StandInGpu, call_in_fresh_process_without_gpu, gpu_uuid
 from torchmem import GPUMemTrace, MemTrace, gpu_mem_trace, mem_trace
 
 
@@ -252,3 +252,25 @@ def test_ram_device_traces_process_memory():
 def test_bad_device_is_named():
     with pytest.raises(ValueError, match="'nope'"):
         MemTrace(device="nope")
+
+
+def see_memory_usage(message: str) -> None:
+    """What DeepSpeed's ``see_memory_usage`` does: print the peak, then reset it."""
+    print(f"{message}: max allocated {torch.cuda.max_memory_allocated() // MiB} MB")
+    torch.cuda.reset_max_memory_allocated()
+
+
+@pytest.mark.filterwarnings("ignore:torch.cuda.reset_max_memory")  # PyTorch's own warning
+def test_a_trace_keeps_its_peak_when_other_code_resets_the_gpu_peak(monkeypatch, capsys):
+    cuda = CudaStandIn([StandInGpu(gpu_uuid(0), total=2**34)]).install(monkeypatch)
+    with MemTrace(ctx="step", device="cuda:0") as trace:
+        cuda.spike(0, 96 * MiB)
+        see_memory_usage("after forward")
+        cuda.alloc(0, 8 * MiB)
+        see_memory_usage("after backward")
+    assert trace.data() == (8, 88)
+    assert capsys.readouterr().out == (
+        "after forward: max allocated 96 MB\n"
+        "after backward: max allocated 8 MB\n"
+        "△Used Peaked MB:      8     88 (step: exit)\n"
+    )

@@ -27,6 +27,7 @@ from benchmarks import (
     meters,
     peaks,
     plugin,
+    ranks,
     reporter,
     run as run_command,
 )
@@ -137,6 +138,10 @@ def sections(config: Config) -> Iterator[str]:
     yield "## 8. pytest plugin\n\n" + doc(plugin)
     rows = plugin.measure(config.repeat, config.tests, config.steps)
     yield table(rows) + "\n\n" + plugin.verdicts(rows, config.tests)
+
+    yield "## 9. torchmem run under torchrun\n\n" + doc(ranks)
+    rows = ranks.measure(config.repeat, config.steps)
+    yield table(rows) + "\n\n" + ranks.verdicts(rows)
 
 
 def doc(module: ModuleType) -> str:

@@ -162,3 +162,12 @@ def test_run_benchmark_runs_and_tabulates():
         "- torchmem run --no-sites",
         "- torchmem run",
     ]
+
+
+def test_torchrun_benchmark_runs_and_tabulates():
+    from benchmarks import ranks
+
+    rows = ranks.measure(repeat=1, steps=1)
+    assert [name for _, name, _, _ in rows] == ["torchrun", "torchrun -m torchmem run"]
+    assert rows[0][3] == 1.0
+    assert ranks.verdicts(rows).startswith("- torchrun -m torchmem run: ")

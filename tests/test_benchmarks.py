@@ -131,6 +131,7 @@ def test_the_whole_suite_runs_and_writes_its_sections(monkeypatch):
         "## 6. torchmem run",
         "## 7. Estimator",
         "## 8. pytest plugin",
+        "## 9. torchmem run under torchrun",
     ]
     assert report.count("Skipped: no CUDA device on this machine.") == 3
     assert "\n".join(shown) + "\n" == report  # each section shown as it was measured

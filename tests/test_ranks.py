@@ -200,6 +200,8 @@ def free_port() -> int:
 def test_a_process_without_a_launcher_is_a_single_process() -> None:
     assert Launch.from_environ({}) is None
     assert Launch.from_environ({"RANK": "0", "WORLD_SIZE": "2"}) is None
+    assert Launch.from_environ(environ(0, 1, 1234)) is None  # a job of one: nothing to gather
+    assert Launch.from_environ(environ(0, 2, 1234)) is not None
 
 
 @pytest.mark.parametrize(
@@ -276,7 +278,7 @@ def test_rank_zero_told_to_stop_reports_what_arrived() -> None:
 
 
 def test_exchange_needs_a_connection() -> None:
-    launch = Launch.from_environ(environ(0, 1, 1234))
+    launch = Launch.from_environ(environ(0, 2, 1234))
     assert launch is not None
     with pytest.raises(RuntimeError, match="connect"):
         launch.exchange(record(1))
@@ -358,3 +360,36 @@ def test_a_failed_rank_prints_what_arrived_when_rank_zero_does_not(
         [(1, "ValueError: boom")],
         [(2, "OOM")],
     )
+
+
+# -- the command line's choice -----------------------------------------------------------
+
+
+def test_a_job_of_one_process_runs_as_a_single_process(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from torchmem.cli import main
+
+    for name, value in environ(0, 1, 1).items():  # port 1: nothing could be reached there
+        monkeypatch.setenv(name, value)
+    script = tmp_path / "one.py"
+    script.write_text("import torch\nx = torch.zeros(1024, 1024)\n")
+    assert main(["run", "-q", "--json", str(tmp_path / "out.json"), str(script)]) == 0
+    report = json.loads((tmp_path / "out.json").read_text())
+    assert "ranks" not in report and report["exit_code"] == 0
+
+
+def test_a_bad_launcher_variable_stops_the_command_before_the_script(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from torchmem.cli import main
+
+    for name, value in environ(0, 2, 1).items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("RANK", "first")
+    script = tmp_path / "never.py"
+    script.write_text("print('ran')\n")
+    assert main(["run", str(script)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == "torchmem run: error: RANK='first' is not a whole number\n"

@@ -214,7 +214,8 @@ class Launch:
     @staticmethod
     def from_environ(environ: Mapping[str, str] | None = None) -> Launch | None:
         """The launch described by `environ` (default: ``os.environ``); None where it
-        does not name a rank, a world size and a store address (a single process).
+        does not name a rank, a world size and a store address, or where the job is one
+        process: a single process then, with nothing to gather.
 
         Raises:
             ValueError: one of those variables has a bad value; the message names it.
@@ -223,7 +224,8 @@ class Launch:
         needed = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
         if not all(environ.get(name) for name in needed):
             return None
-        return Launch(environ)
+        launch = Launch(environ)
+        return launch if launch.world_size > 1 else None
 
     def connect(self) -> None:
         """Reach the launcher's store (or, on rank 0 without torchrun's agent, host it)."""

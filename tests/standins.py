@@ -229,6 +229,9 @@ class StandInGpu:
     """NVML's current MIG mode (0 off, 1 on); None for a GPU without MIG support."""
     mig_slots: list[StandInGpu | None] = field(default_factory=list)
     """The MIG slots of this GPU (``nvmlDeviceGetMaxMigDeviceCount``); None is empty."""
+    processes: dict[int, int | None] = field(default_factory=dict)
+    """Bytes each compute process holds here, by process id, as
+    ``nvmlDeviceGetComputeRunningProcesses`` lists them (None: NVML does not say)."""
     allocator: StandInAllocator = field(default_factory=StandInAllocator)
 
     @property
@@ -554,6 +557,14 @@ class StandInNvmlHandle:
 
 
 @dataclass(frozen=True)
+class StandInNvmlProcess:
+    """Stand-in for an entry of ``nvmlDeviceGetComputeRunningProcesses``."""
+
+    pid: int
+    usedGpuMemory: int | None  # noqa: N815 (pynvml's name)
+
+
+@dataclass(frozen=True)
 class StandInNvmlMemory:
     """Stand-in for ``nvmlDeviceGetMemoryInfo``'s ``c_nvmlMemory_t``."""
 
@@ -636,6 +647,12 @@ class NvmlStandIn(types.ModuleType):
         self._check("nvmlDeviceGetMemoryInfo")
         gpu = handle.gpu
         return StandInNvmlMemory(total=gpu.total, free=gpu.free, used=gpu.used)
+
+    def nvmlDeviceGetComputeRunningProcesses(
+        self, handle: StandInNvmlHandle
+    ) -> list[StandInNvmlProcess]:
+        self._check("nvmlDeviceGetComputeRunningProcesses")
+        return [StandInNvmlProcess(pid, used) for pid, used in handle.gpu.processes.items()]
 
     def nvmlDeviceGetMigMode(self, handle: StandInNvmlHandle) -> tuple[int, int]:
         self._check("nvmlDeviceGetMigMode")

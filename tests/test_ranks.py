@@ -16,8 +16,9 @@ import pytest
 import torch
 
 import torchmem
-from standins import MiB
-from torchmem.ranks import Launch, RanksReport, assemble, gather_reports, imbalance
+from standins import GiB, MiB, StandInGpu, gpu_uuid, install_gpus
+from torchmem.meters import nvml
+from torchmem.ranks import Launch, RanksReport, _payload, assemble, gather_reports, imbalance
 from torchmem.records.ranks import RankRun
 from torchmem.records.run import DeviceRun, Held, ModulePeak, RunRecord, Site
 
@@ -41,8 +42,20 @@ def record(peak: int, *, device: str = "cpu", exit_code: int | None = 0, **sizes
     return RunRecord({device: run, "ram": ram}, (), 1.0, exit_code=exit_code)
 
 
-def payload(rank: int, report: RunRecord, error: str | None = None, host: str = "node1") -> dict:
-    return {"rank": rank, "host": host, "error": error, "report": report.to_json()}
+def payload(
+    rank: int,
+    report: RunRecord,
+    error: str | None = None,
+    host: str = "node1",
+    gpus: dict[str, int] | None = None,
+) -> dict:
+    return {
+        "rank": rank,
+        "host": host,
+        "error": error,
+        "gpu_process_bytes": gpus or {},
+        "report": report.to_json(),
+    }
 
 
 def test_a_report_survives_its_json_unchanged() -> None:
@@ -151,6 +164,75 @@ def test_a_gpu_table_shows_the_reserved_peak() -> None:
         "rank  host   device   peak  reserved peak    end  most at the peak  ram peak  exit",
         "   0  node1  cuda:0  8.00M         20.00M  0.00B  -                        -     -",
     ]
+
+
+def gpu_record(peak: int, device: str) -> RunRecord:
+    run = DeviceRun(device, 0, peak, 0.5, 0, (), reserved_peak_bytes=peak)
+    return RunRecord({device: run}, (), 1.0, exit_code=0)
+
+
+def test_memory_a_rank_holds_on_another_ranks_gpu_is_named() -> None:
+    ranks = assemble(
+        [
+            payload(0, gpu_record(8 * GiB, "cuda:0"), gpus={"cuda:0": 9 * GiB}),
+            payload(
+                1, gpu_record(8 * GiB, "cuda:1"), gpus={"cuda:1": 9 * GiB, "cuda:0": 512 * MiB}
+            ),
+            payload(
+                2, gpu_record(8 * GiB, "cuda:2"), gpus={"cuda:2": 9 * GiB, "cuda:0": 500 * MiB}
+            ),
+        ],
+        range(3),
+    )
+    assert [(e.rank, e.device, e.bytes) for e in ranks.elsewhere] == [
+        (1, "cuda:0", 512 * MiB),
+        (2, "cuda:0", 500 * MiB),
+    ]
+    lines = str(ranks).splitlines()
+    assert lines[2:8] == [
+        "rank  host   device   peak  reserved peak    end  most at the peak  process on the GPU"
+        "  ram peak  exit",
+        "   0  node1  cuda:0  8.00G          8.00G  0.00B  -                              9.00G"
+        "         -     0",
+        "   1  node1  cuda:1  8.00G          8.00G  0.00B  -                              9.00G"
+        "         -     0",
+        "   1  node1  cuda:0      -              -      -  -                            512.00M"
+        "         -     0",
+        "   2  node1  cuda:2  8.00G          8.00G  0.00B  -                              9.00G"
+        "         -     0",
+        "   2  node1  cuda:0      -              -      -  -                            500.00M"
+        "         -     0",
+    ]
+    assert (
+        "Ranks 1 and 2 hold memory on cuda:0, which is not their GPU (512.00M, 500.00M,"
+        " NVML): a CUDA context or tensors made there, as a missing"
+        " torch.cuda.set_device(local_rank), or torch.load without map_location, does."
+    ) in lines
+    data = ranks.to_json()
+    assert data["elsewhere"][0] == {"rank": 1, "device": "cuda:0", "bytes": 512 * MiB}
+    assert data["ranks"][1]["gpu_process_bytes"] == {"cuda:1": 9 * GiB, "cuda:0": 512 * MiB}
+
+
+def test_a_rank_without_a_gpu_holds_nothing_elsewhere() -> None:
+    found = assemble([payload(0, record(8 * MiB), gpus={"cuda:0": 300 * MiB})], range(1))
+    assert found.elsewhere == ()
+
+
+def test_nvml_says_what_this_process_holds_on_each_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    gpus = [StandInGpu(gpu_uuid(n)) for n in range(3)]
+    gpus[0].processes = {os.getpid(): 700 * MiB, os.getpid() + 1: 5 * GiB}
+    gpus[1].processes = {os.getpid() + 1: 5 * GiB}
+    gpus[2].processes = {os.getpid(): None}  # a driver that does not say
+    install_gpus(monkeypatch, gpus)
+    assert nvml.process_memory(os.getpid()) == {0: 700 * MiB}
+    data = json.loads(_payload(3, record(1)))
+    assert data["gpu_process_bytes"] == {"cuda:0": 700 * MiB}
+    assert data["rank"] == 3
+
+
+def test_without_nvml_nothing_is_said(monkeypatch: pytest.MonkeyPatch) -> None:
+    install_gpus(monkeypatch, [StandInGpu(gpu_uuid(0))], nvml="missing")
+    assert nvml.process_memory(os.getpid()) == {}
 
 
 def test_the_json_holds_every_rank_as_a_single_process_report(tmp_path: Path) -> None:

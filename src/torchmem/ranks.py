@@ -28,7 +28,9 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from torchmem.records.ranks import Imbalance, RankRun, RanksRecord
+import torch
+
+from torchmem.records.ranks import Elsewhere, Imbalance, RankRun, RanksRecord
 from torchmem.records.run import CATEGORIES, RunRecord
 
 TOP = 10
@@ -123,8 +125,19 @@ def gather_reports(
 
 
 def _payload(rank: int, report: RunRecord, error: str | None = None) -> str:
+    gpus = {}
+    if torch.cuda.is_available():
+        from torchmem.meters import nvml
+
+        gpus = {f"cuda:{i}": size for i, size in nvml.process_memory(os.getpid()).items()}
     return json.dumps(
-        {"rank": rank, "host": socket.gethostname(), "error": error, "report": report.to_json()}
+        {
+            "rank": rank,
+            "host": socket.gethostname(),
+            "error": error,
+            "gpu_process_bytes": gpus,
+            "report": report.to_json(),
+        }
     )
 
 
@@ -135,14 +148,34 @@ def assemble(
     whose payload did not are missing."""
     runs = sorted(
         (
-            RankRun(p["rank"], p["host"], RunRecord.from_json(p["report"]), p["error"])
+            RankRun(
+                p["rank"],
+                p["host"],
+                RunRecord.from_json(p["report"]),
+                p["error"],
+                p["gpu_process_bytes"],
+            )
             for p in payloads
         ),
         key=lambda run: run.rank,
     )
     arrived = {run.rank for run in runs}
     missing = tuple(rank for rank in ranks if rank not in arrived)
-    return RanksReport(tuple(runs), len(ranks), missing, imbalance(runs), top=top)
+    return RanksReport(tuple(runs), len(ranks), missing, imbalance(runs), elsewhere(runs), top=top)
+
+
+def elsewhere(runs: Sequence[RankRun]) -> tuple[Elsewhere, ...]:
+    """Memory each rank whose main device is a GPU held on other GPUs (NVML's numbers)."""
+    found = []
+    for run in runs:
+        main = run.report.main_device
+        if main.startswith("cuda"):
+            found += [
+                Elsewhere(run.rank, device, size)
+                for device, size in run.gpu_process_bytes.items()
+                if device != main and size > 0
+            ]
+    return tuple(found)
 
 
 def imbalance(runs: Sequence[RankRun]) -> Imbalance | None:

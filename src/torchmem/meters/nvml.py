@@ -50,6 +50,30 @@ def memory(nvml_handle: Any) -> tuple[int, int, int]:
     return int(info.total), int(info.free), int(info.used)
 
 
+def process_memory(pid: int) -> dict[int, int]:
+    """Bytes process `pid` holds on each of torch's CUDA devices, by torch index, as NVML
+    lists compute processes: its CUDA context, what its caching allocator reserved, NCCL's
+    buffers, other libraries' memory. Devices where it holds nothing are left out; so is
+    everything where NVML cannot say (not installed, no driver, a container whose process
+    ids NVML does not share, a driver that hides per-process numbers)."""
+    lib = nvml()
+    if lib is None:
+        return {}
+    found = {}
+    for index in range(torch.cuda.device_count()):
+        device = handle(index)
+        if device is None:
+            continue
+        try:
+            processes = lib.nvmlDeviceGetComputeRunningProcesses(device)
+        except lib.NVMLError:
+            continue
+        used = sum(p.usedGpuMemory or 0 for p in processes if p.pid == pid)
+        if used:
+            found[index] = int(used)
+    return found
+
+
 def _handles(lib: ModuleType) -> Iterator[Any]:
     """Every NVML device, followed by its MIG instances where MIG is on."""
     for i in range(lib.nvmlDeviceGetCount()):

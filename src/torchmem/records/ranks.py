@@ -8,7 +8,7 @@ contract.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from torchmem.records.run import RunRecord
@@ -27,6 +27,10 @@ class RankRun:
     error: str | None = None
     """The last line of its script's traceback (``"ValueError: boom"``) where the script
     raised; the whole traceback is in that rank's own output."""
+    gpu_process_bytes: dict[str, int] = field(default_factory=dict)
+    """Bytes its process held on each GPU (``"cuda:0"``, ...) when it sent its report, as
+    NVML lists the GPU's processes: the CUDA context, what the caching allocator
+    reserved, NCCL's buffers, other libraries'. Empty where NVML cannot say."""
 
 
 @dataclass(frozen=True)
@@ -80,6 +84,19 @@ class Imbalance:
 
 
 @dataclass(frozen=True)
+class Elsewhere:
+    """Memory a rank's process held on a GPU that is not its own (not its main device):
+    a CUDA context, or tensors, made there by a missing ``torch.cuda.set_device``, or a
+    ``torch.load`` without ``map_location``."""
+
+    rank: int
+    device: str
+    """The other GPU, ``"cuda:0"``, ..."""
+    bytes: int
+    """What NVML says the process held there."""
+
+
+@dataclass(frozen=True)
 class RanksRecord:
     """Every rank's report, in rank order."""
 
@@ -91,6 +108,8 @@ class RanksRecord:
     """Ranks whose report never arrived (the process died before it could send one)."""
     imbalance: Imbalance | None = None
     """Across the ranks' main devices; None with fewer than two reports."""
+    elsewhere: tuple[Elsewhere, ...] = ()
+    """Memory ranks held on GPUs that are not theirs, by rank."""
 
     @property
     def exit_code(self) -> int:
@@ -108,9 +127,18 @@ class RanksRecord:
             "world_size": self.world_size,
             "exit_code": self.exit_code,
             "ranks": [
-                {"rank": run.rank, "host": run.host, "error": run.error, **run.report.to_json()}
+                {
+                    "rank": run.rank,
+                    "host": run.host,
+                    "error": run.error,
+                    "gpu_process_bytes": run.gpu_process_bytes,
+                    **run.report.to_json(),
+                }
                 for run in self.ranks
             ],
             "missing_ranks": list(self.missing),
             "imbalance": None if self.imbalance is None else self.imbalance.to_json(),
+            "elsewhere": [
+                {"rank": e.rank, "device": e.device, "bytes": e.bytes} for e in self.elsewhere
+            ],
         }

@@ -53,35 +53,71 @@ def _order(category: str) -> int:
     return CATEGORIES.index(category) if category in CATEGORIES else len(CATEGORIES)
 
 
+def _rows(run: RankRun) -> list[tuple[str, DeviceRun | None]]:
+    """The devices of a rank's rows: :func:`_shown`, then each GPU that only NVML saw its
+    process hold memory on (no recording of it: None)."""
+    shown: list[tuple[str, DeviceRun | None]] = [(d.device, d) for d in _shown(run)]
+    names = {name for name, _ in shown}
+    return shown + [(name, None) for name in run.gpu_process_bytes if name not in names]
+
+
+def _size(size: int | None, mark: str = "") -> str:
+    return MISSING if size is None else mark + readable_size(size)
+
+
 def _table(record: RanksRecord) -> Section:
-    devices = [(run, device) for run in record.ranks for device in _shown(run)]
-    reserved = any(device.reserved_peak_bytes is not None for _, device in devices)
+    rows_of = [(run, name, device) for run in record.ranks for name, device in _rows(run)]
+    recorded = [device for _, _, device in rows_of if device is not None]
+    reserved = any(device.reserved_peak_bytes is not None for device in recorded)
+    nvml = any(run.gpu_process_bytes for run in record.ranks)
     header: tuple[str, ...] = ("rank", "host", "device", "peak")
     header += ("reserved peak",) if reserved else ()
-    header += ("end", "most at the peak", "ram peak", "exit")
+    header += ("end", "most at the peak")
+    header += ("process on the GPU",) if nvml else ()
+    header += ("ram peak", "exit")
     rows = []
-    for run, device in devices:
+    for run, name, device in rows_of:
         ram = run.report.devices.get("ram")
-        row: tuple[str, ...] = (
-            str(run.rank),
-            run.host,
-            device.device,
-            ("" if device.exact else SAMPLED) + readable_size(device.peak_bytes),
-        )
-        if reserved:
-            size = device.reserved_peak_bytes
-            row += (MISSING if size is None else readable_size(size),)
+        row: tuple[str, ...] = (str(run.rank), run.host, name)
+        if device is None:  # peak, reserved peak, end, most at the peak: not recorded
+            row += (MISSING,) * (4 if reserved else 3)
+        else:
+            row += (_size(device.peak_bytes, "" if device.exact else SAMPLED),)
+            row += (_size(device.reserved_peak_bytes),) if reserved else ()
+            row += (readable_size(device.end_bytes), _most(device))
+        if nvml:
+            row += (_size(run.gpu_process_bytes.get(name)),)
         row += (
-            readable_size(device.end_bytes),
-            _most(device),
             MISSING if ram is None or ram is device else readable_size(ram.peak_bytes),
             MISSING if run.report.exit_code is None else str(run.report.exit_code),
         )
         rows.append(row)
-    sampled = not all(device.exact for _, device in devices)
+    sampled = not all(device.exact for device in recorded)
     more = f"{SAMPLED} sampled, not exact: the true peak may be higher." if sampled else ""
     left = (1, 2, header.index("most at the peak"))
     return Section("", rows, left=left, header=header, more=more)
+
+
+def _elsewhere_text(record: RanksRecord) -> list[str]:
+    """One line per GPU that ranks held memory on without it being their own."""
+    by_device: dict[str, list[tuple[int, int]]] = {}
+    for item in record.elsewhere:
+        by_device.setdefault(item.device, []).append((item.rank, item.bytes))
+    lines = []
+    for device, held in by_device.items():
+        ranks = [str(rank) for rank, _ in held]
+        who = (
+            f"Rank {ranks[0]} holds"
+            if len(ranks) == 1
+            else (f"Ranks {', '.join(ranks[:-1])} and {ranks[-1]} hold")
+        )
+        sizes = ", ".join(readable_size(size) for _, size in held)
+        lines.append(
+            f"{who} memory on {device}, which is not {'its' if len(ranks) == 1 else 'their'}"
+            f" GPU ({sizes}, NVML): a CUDA context or tensors made there, as a missing"
+            " torch.cuda.set_device(local_rank), or torch.load without map_location, does."
+        )
+    return lines
 
 
 def imbalance_text(imbalance: Imbalance) -> str:
@@ -107,6 +143,7 @@ def _remarks(record: RanksRecord) -> list[str]:
     lines = []
     if record.imbalance is not None:
         lines.append(imbalance_text(record.imbalance))
+    lines += _elsewhere_text(record)
     for run in record.ranks:
         if run.error is not None:
             lines.append(

@@ -278,6 +278,11 @@ def test_two_ranks_sharing_one_cuda_gpu(tmp_path: Path) -> None:
     found = peaks(report)
     assert found[1] - found[0] == 8 * MiB
     assert report["imbalance"]["kind"] == "cuda"
+    assert report["elsewhere"] == []  # both ranks' GPU is cuda:0
+    for rank in report["ranks"]:  # NVML, where it shares process ids with this container
+        if rank["gpu_process_bytes"]:
+            context = rank["gpu_process_bytes"]["cuda:0"]
+            assert context > rank["devices"]["cuda:0"]["reserved_peak_bytes"]
 
 
 def readme_sample() -> list[str]:

@@ -561,7 +561,7 @@ class StandInNvmlProcess:
     """Stand-in for an entry of ``nvmlDeviceGetComputeRunningProcesses``."""
 
     pid: int
-    usedGpuMemory: int | None  # noqa: N815 (pynvml's name)
+    usedGpuMemory: int | None  # pynvml's name
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ from torchmem.meters import nvml
 from torchmem.ranks import Launch, RanksReport, _payload, assemble, gather_reports, imbalance
 from torchmem.records.ranks import RankRun
 from torchmem.records.run import DeviceRun, Held, ModulePeak, RunRecord, Site
+from torchmem.render import ranks as render_ranks
 
 
 def categories(**sizes: int) -> dict[str, int]:
@@ -142,7 +143,7 @@ def test_the_table_says_each_ranks_peak_and_who_raised() -> None:
         "",
         "Imbalance on cpu: rank 1 peaked at 16.00M, 2.00x rank 0's 8.00M; the category that"
         " differs most is other: 16.00M on rank 1 against 8.00M on rank 0.",
-        "Rank 1 raised ValueError: boom (its traceback is in rank 1's output).",
+        "Rank 1 raised ValueError: boom (the traceback is in rank 1's output).",
     ]
     assert lines[8:12] == [
         "Rank 2 sent no report: it died, or had not finished by then.",
@@ -475,3 +476,29 @@ def test_a_bad_launcher_variable_stops_the_command_before_the_script(
     captured = capsys.readouterr()
     assert captured.out == ""
     assert captured.err == "torchmem run: error: RANK='first' is not a whole number\n"
+
+
+@pytest.mark.parametrize(
+    ("ranks", "words"),
+    [
+        ([3], "Rank 3"),
+        ([2, 1], "Ranks 1 and 2"),
+        ([0, 1, 2, 3, 4, 5, 7, 9], "Ranks 0-5, 7 and 9"),
+        ([4, 6, 7], "Ranks 4, 6 and 7"),
+        ([0, 1, 2], "Ranks 0-2"),
+    ],
+)
+def test_many_ranks_are_named_in_short(ranks: list[int], words: str) -> None:
+    assert render_ranks._ranks(ranks) == words
+
+
+def test_ranks_that_failed_alike_share_a_line() -> None:
+    failed = [
+        payload(r, record(MiB, exit_code=1), "torch.OutOfMemoryError: CUDA") for r in range(4)
+    ]
+    lines = str(assemble(failed, range(6))).splitlines()
+    assert (
+        "Ranks 0-3 raised torch.OutOfMemoryError: CUDA (the tracebacks are in their outputs)."
+        in lines
+    )
+    assert "Ranks 4 and 5 sent no report: they died, or had not finished by then." in lines

@@ -131,7 +131,7 @@ def test_a_rank_that_raises_fails_the_job_and_the_others_still_report(tmp_path: 
     assert code != 0
     assert 'raise ValueError(f"boom on rank {rank}")' in err  # the rank's own traceback
     assert "ValueError: boom on rank 1" in err
-    assert "Rank 1 raised ValueError: boom on rank 1 (its traceback is in rank 1's output)." in err
+    assert "Rank 1 raised ValueError: boom on rank 1 (the traceback is in rank 1's output)." in err
     report = json.loads((tmp_path / "ranks.json").read_text())
     assert [(r["rank"], r["exit_code"]) for r in report["ranks"]] == [(0, 0), (1, 1)]
     assert report["ranks"][1]["error"] == "ValueError: boom on rank 1"

@@ -98,6 +98,21 @@ def _table(record: RanksRecord) -> Section:
     return Section("", rows, left=left, header=header, more=more)
 
 
+def _ranks(ranks: list[int]) -> str:
+    """``Rank 3``, ``Ranks 1 and 2``, ``Ranks 0-5, 7 and 9``: consecutive ranks as a range."""
+    spans: list[list[int]] = []
+    for rank in sorted(ranks):
+        if spans and rank == spans[-1][-1] + 1:
+            spans[-1].append(rank)
+        else:
+            spans.append([rank])
+    parts = [f"{s[0]}-{s[-1]}" if len(s) > 2 else ", ".join(map(str, s)) for s in spans]
+    words = ", ".join(parts).rsplit(", ", 1)
+    if len(ranks) == 1:
+        return f"Rank {ranks[0]}"
+    return "Ranks " + (" and ".join(words) if len(words) == 2 else words[0])
+
+
 def _elsewhere_text(record: RanksRecord) -> list[str]:
     """One line per GPU that ranks held memory on without it being their own."""
     by_device: dict[str, list[tuple[int, int]]] = {}
@@ -105,17 +120,13 @@ def _elsewhere_text(record: RanksRecord) -> list[str]:
         by_device.setdefault(item.device, []).append((item.rank, item.bytes))
     lines = []
     for device, held in by_device.items():
-        ranks = [str(rank) for rank, _ in held]
-        who = (
-            f"Rank {ranks[0]} holds"
-            if len(ranks) == 1
-            else (f"Ranks {', '.join(ranks[:-1])} and {ranks[-1]} hold")
-        )
+        one = len(held) == 1
         sizes = ", ".join(readable_size(size) for _, size in held)
         lines.append(
-            f"{who} memory on {device}, which is not {'its' if len(ranks) == 1 else 'their'}"
-            f" GPU ({sizes}, NVML): a CUDA context or tensors made there, as a missing"
-            " torch.cuda.set_device(local_rank), or torch.load without map_location, does."
+            f"{_ranks([rank for rank, _ in held])} {'holds' if one else 'hold'} memory on"
+            f" {device}, which is not {'its' if one else 'their'} GPU ({sizes}, NVML): a CUDA"
+            " context or tensors made there, as a missing torch.cuda.set_device(local_rank),"
+            " or torch.load without map_location, does."
         )
     return lines
 
@@ -144,14 +155,23 @@ def _remarks(record: RanksRecord) -> list[str]:
     if record.imbalance is not None:
         lines.append(imbalance_text(record.imbalance))
     lines += _elsewhere_text(record)
+    errors: dict[str, list[int]] = {}
     for run in record.ranks:
         if run.error is not None:
-            lines.append(
-                f"Rank {run.rank} raised {run.error} (its traceback is in rank {run.rank}'s"
-                " output)."
-            )
-    for rank in record.missing:
-        lines.append(f"Rank {rank} sent no report: it died, or had not finished by then.")
+            errors.setdefault(run.error, []).append(run.rank)
+    for error, ranks in errors.items():
+        where = (
+            f"the traceback is in rank {ranks[0]}'s output"
+            if len(ranks) == 1
+            else "the tracebacks are in their outputs"
+        )
+        lines.append(f"{_ranks(ranks)} raised {error} ({where}).")
+    if record.missing:
+        one = len(record.missing) == 1
+        lines.append(
+            f"{_ranks(list(record.missing))} sent no report: {'it' if one else 'they'} died,"
+            " or had not finished by then."
+        )
     return lines
 
 
@@ -168,8 +188,8 @@ def text(record: RanksRecord, top: int = 10) -> str:
         torchmem: memory per rank (2 ranks on 1 host, exit code 0)
 
         rank  host   device    peak    end  most at the peak  ram peak  exit
-        0     node1  cpu      8.00M  0.00B  other 8.00M        250.00M     0
-        1     node1  cpu     16.00M  0.00B  other 16.00M       258.00M     0
+           0  node1  cpu      8.00M  0.00B  other 8.00M        250.00M     0
+           1  node1  cpu     16.00M  0.00B  other 16.00M       258.00M     0
 
         Imbalance on cpu: rank 1 peaked at 16.00M, 2.00x rank 0's 8.00M; the category ...
 

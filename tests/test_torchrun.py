@@ -207,6 +207,40 @@ def test_two_nodes_gather_four_ranks(tmp_path: Path) -> None:
     assert [p - found[0] for p in found] == [r * 8 * MiB for r in range(4)]
 
 
+def test_a_launcher_without_torchruns_agent_shares_rank_zeros_store(tmp_path: Path) -> None:
+    """Ranks started by hand (or by mpirun, a Kubernetes job, ...) with RANK, WORLD_SIZE,
+    MASTER_ADDR and MASTER_PORT: rank 0 hosts the store, and the script's own
+    init_process_group on rank 0 shares it."""
+    port = str(free_port())
+    environ = {key: value for key, value in os.environ.items() if "TORCHELASTIC" not in key}
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, "-m", "torchmem", "run", "--json", f"rank{r}.json", "job.py"],
+            cwd=job(tmp_path),
+            env={
+                **environ,
+                "RANK": str(r),
+                "WORLD_SIZE": "2",
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": port,
+                "OMP_NUM_THREADS": "1",
+            },
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        for r in range(2)
+    ]
+    results = [finished(rank) for rank in ranks]
+    assert [code for code, _, _ in results] == [0, 0], results
+    assert "torchmem: memory per rank (2 ranks on 1 host, exit code 0)" in results[0][2]
+    assert "torchmem: memory per rank" not in results[1][2]
+    assert not (tmp_path / "rank1.json").exists()
+    report = json.loads((tmp_path / "rank0.json").read_text())
+    found = peaks(report)
+    assert found[1] - found[0] == 8 * MiB
+
+
 API = textwrap.dedent(
     """\
     import json

@@ -11,7 +11,7 @@ from types import ModuleType, TracebackType
 from typing import TYPE_CHECKING, Any
 
 from torchmem.cli.command import Command
-from torchmem.errors import CommandError
+from torchmem.errors import CommandError, TorchmemError
 
 if TYPE_CHECKING:
     from torchmem.ranks import RanksReport
@@ -41,6 +41,12 @@ class RunCommand(Command):
         parser.add_argument("--json", metavar="PATH", help="write the report as JSON to PATH")
         parser.add_argument(
             "--html", metavar="PATH", help="write the report as a self-contained HTML page"
+        )
+        parser.add_argument(
+            "--snapshot",
+            metavar="PATH",
+            help="save the recording as a PyTorch memory snapshot (pytorch.org/memory_viz"
+            " opens it; under torchrun each rank writes PATH with .rankN before its suffix)",
         )
         parser.add_argument(
             "--top", type=int, default=10, metavar="N", help="list N sites, tensors, modules"
@@ -104,13 +110,21 @@ class RunCommand(Command):
         )
         if launch is None:
             _publish(report, args)
-            return code
-        try:
-            ranks = launch.exchange(report, error, top=args.top)
-            if ranks is not None:
-                _publish(ranks, args)
-        finally:
-            launch.finish()
+        else:
+            try:
+                ranks = launch.exchange(report, error, top=args.top)
+                if ranks is not None:
+                    _publish(ranks, args)
+            finally:
+                launch.finish()
+        if args.snapshot:
+            path = Path(args.snapshot)
+            if launch is not None:
+                path = path.with_name(f"{path.stem}.rank{launch.rank}{path.suffix}")
+            try:
+                recording.save_snapshot(path)
+            except TorchmemError as exc:
+                raise CommandError(str(exc)) from None
         return code
 
 

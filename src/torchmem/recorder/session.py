@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from torchmem._compat import getframe
+from torchmem.errors import TorchmemError
 from torchmem.meters import meter
 from torchmem.recorder.analysis import Names, device_run, laps_run, module_peaks
 from torchmem.recorder.hooks import Watcher
@@ -143,6 +144,37 @@ class Recording:
     ) -> None:
         caller = getframe(1)
         self.stop({**caller.f_globals, **caller.f_locals})
+
+    def save_snapshot(self, path: str | Path) -> None:
+        """Write what was recorded as a PyTorch memory snapshot (the pickle
+        ``torch.cuda.memory._dump_snapshot`` writes) to `path`: PyTorch's viewer
+        (``pytorch.org/memory_viz``), ``torch.cuda._memory_viz`` and
+        :func:`torchmem.load_snapshot` open it, for a CPU run as for a CUDA one.
+
+        CUDA devices are PyTorch's own history (kept by the recording until it is
+        dropped); CPU tensors are built from the counting allocator's log: each allocation
+        alive at the end is a segment of its own, with the line that made it as its frame.
+
+        Raises:
+            RuntimeError: the recording has not stopped.
+            TorchmemError: nothing recorded has an event log (process RAM only, or CPU
+                tensors on the fallback meter: see ``torchmem build``).
+        """
+        import pickle
+
+        from torchmem.recorder.snapshot_export import snapshot
+
+        if not self._stopped:
+            raise RuntimeError("stop the recording (leave its with-block) before saving it")
+        cpu = next((log for log in self._logs if log.device == "cpu"), None)
+        cuda = self._cuda.history if self._cuda is not None else None
+        if cpu is None and cuda is None:
+            raise TorchmemError(
+                "nothing this recording holds has an event log (process RAM, or CPU"
+                " tensors on the fallback meter: see `torchmem build`): no snapshot to save"
+            )
+        with open(path, "wb") as file:
+            pickle.dump(snapshot(cpu, cuda), file)
 
     def report(self, top: int = TOP) -> RunReport:
         """Where the memory went: per device the peak, when, the end, the categories at

@@ -17,6 +17,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from types import CodeType
+from typing import Any
 
 import torch
 
@@ -132,6 +133,9 @@ class CudaLog:
         self._bases: list[int] = []
         self._start = 0
         self._wall = 0
+        self.history: dict[str, Any] | None = None
+        """PyTorch's allocator history at the stop (``_snapshot()``'s dictionary), kept
+        for :meth:`Recording.save_snapshot`."""
 
     def start(self) -> None:
         self._windows = [m.window() for m in self.meters]  # for the reserved peak
@@ -141,6 +145,7 @@ class CudaLog:
 
     def stop(self) -> list[Log]:
         snapshot = cuda_history_stop(None)
+        self.history = snapshot
         traces = snapshot.get("device_traces", [])
         prefixes = user_prefixes()
         logs = []

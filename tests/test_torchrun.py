@@ -94,6 +94,8 @@ def test_rank_zero_prints_every_ranks_peak(tmp_path: Path, ranks: int) -> None:
             "run",
             "--json",
             "ranks.json",
+            "--snapshot",
+            "memory.pickle",
             "job.py",
             cwd=job(tmp_path),
         )
@@ -101,6 +103,8 @@ def test_rank_zero_prints_every_ranks_peak(tmp_path: Path, ranks: int) -> None:
     assert code == 0, err
     report = json.loads((tmp_path / "ranks.json").read_text())
     assert [r["rank"] for r in report["ranks"]] == list(range(ranks))
+    snapshots = sorted(path.name for path in tmp_path.glob("memory*.pickle"))
+    assert snapshots == [f"memory.rank{r}.pickle" for r in range(ranks)]
     assert (report["world_size"], report["missing_ranks"], report["exit_code"]) == (ranks, [], 0)
     found = peaks(report)
     assert [p - found[0] for p in found] == [r * 8 * MiB for r in range(ranks)]

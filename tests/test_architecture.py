@@ -34,6 +34,7 @@ COLLECTORS = {
     "torchmem.estimator",
     "torchmem.limits",
     "torchmem.ranks",
+    "torchmem.snapshot",
 }
 FRONT_ENDS = {"torchmem", "torchmem.__main__", "torchmem.notebook", "torchmem.cli"}
 FRONT_ENDS |= {"torchmem.restore", "torchmem.pytest_plugin"}

@@ -34,7 +34,7 @@ _EXPORTS = {
         "nvml_handle",
         "preload_pytorch",
     ),
-    "torchmem.errors": ("TorchmemError", "TorchmemWarning"),
+    "torchmem.errors": ("SnapshotError", "TorchmemError", "TorchmemWarning"),
     "torchmem.estimator": (
         "estimate",
         "Estimate",
@@ -87,6 +87,11 @@ _EXPORTS = {
         "get_ref_free_exc_info",
         "gpu_mem_restore",
         "gpu_mem_restore_ctx",
+    ),
+    "torchmem.snapshot": (
+        "load_snapshot",
+        "Snapshot",
+        "SnapshotDiff",
     ),
     "torchmem.tensors": (
         "diff",
@@ -154,6 +159,7 @@ if _typing.TYPE_CHECKING:
         preload_pytorch as preload_pytorch,
     )
     from torchmem.errors import (
+        SnapshotError as SnapshotError,
         TorchmemError as TorchmemError,
         TorchmemWarning as TorchmemWarning,
     )
@@ -217,6 +223,11 @@ if _typing.TYPE_CHECKING:
         get_ref_free_exc_info as get_ref_free_exc_info,
         gpu_mem_restore as gpu_mem_restore,
         gpu_mem_restore_ctx as gpu_mem_restore_ctx,
+    )
+    from torchmem.snapshot import (
+        Snapshot as Snapshot,
+        SnapshotDiff as SnapshotDiff,
+        load_snapshot as load_snapshot,
     )
     from torchmem.tensors import (
         MemReporter as MemReporter,

@@ -19,6 +19,11 @@ class CommandError(TorchmemError):
         self.exit_code = exit_code
 
 
+class SnapshotError(TorchmemError):
+    """A file is not a memory snapshot torchmem can read: not a pickle, not a snapshot, or
+    a pickle that asks to run code (refused: nothing from it runs)."""
+
+
 class TorchmemWarning(UserWarning):
     """Something torchmem could not do as well as it would have liked (it says what it
     does instead)."""

@@ -20,9 +20,16 @@ from torchmem.cli.command import Command
 from torchmem.cli.devices import DevicesCommand
 from torchmem.cli.estimate import EstimateCommand
 from torchmem.cli.run import RunCommand
+from torchmem.cli.snapshot import SnapshotCommand
 from torchmem.errors import CommandError
 
-COMMANDS: list[Command] = [RunCommand(), EstimateCommand(), DevicesCommand(), BuildCommand()]
+COMMANDS: list[Command] = [
+    RunCommand(),
+    EstimateCommand(),
+    SnapshotCommand(),
+    DevicesCommand(),
+    BuildCommand(),
+]
 """Every subcommand, in the order ``torchmem --help`` lists them."""
 
 BROKEN_PIPE_EXIT = 128 + signal.SIGPIPE if hasattr(signal, "SIGPIPE") else 1
@@ -44,7 +51,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     words = list(sys.argv[1:] if argv is None else argv)
     parser = _Parser(
         prog="torchmem",
-        description="PyTorch memory: where a script's memory went, estimates, devices, builds.",
+        description=(
+            "PyTorch memory: where a script's memory went, estimates, snapshots, devices, builds."
+        ),
         epilog="Run 'torchmem COMMAND --help' for a command's options.",
     )
     parser.add_argument(

@@ -1,0 +1,81 @@
+"""``torchmem snapshot``: read a PyTorch memory snapshot safely and say what it holds;
+``torchmem snapshot diff A B``: what changed between two."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from torchmem.cli.command import Command
+from torchmem.errors import CommandError
+
+if TYPE_CHECKING:
+    from torchmem.snapshot import Snapshot
+
+
+class SnapshotCommand(Command):
+    name = "snapshot"
+    help = "read a PyTorch memory snapshot safely and say what it holds"
+    description = (
+        "Read a memory snapshot (torch.cuda.memory._dump_snapshot) without running anything"
+        " from it, and print what the caching allocator held: per device the bytes"
+        " allocated, active and reserved, the peak of its trace and when, the allocation"
+        " sites alive at the peak, each segment with the bytes free inside it and its"
+        " largest free block, and the out of memory event of the trace where it has one."
+        " 'torchmem snapshot diff A B' prints what changed from A to B (a file named diff"
+        " is ./diff)."
+    )
+
+    def prepare_parser(self, parser: argparse.ArgumentParser) -> None:
+        parser.usage = "%(prog)s [options] PATH\n       %(prog)s diff [options] A B"
+        parser.add_argument("--json", metavar="OUT", help="write the report as JSON to OUT")
+        parser.add_argument("--html", metavar="OUT", help="write a self-contained HTML page to OUT")
+        parser.add_argument(
+            "--top", type=int, default=10, metavar="N", help="list N sites and segments"
+        )
+        parser.add_argument("paths", nargs="*", metavar="PATH", help="a snapshot (a pickle)")
+
+    def run(self, args: argparse.Namespace) -> int:
+        from torchmem.render import snapshot
+
+        if args.top < 1:
+            raise CommandError(f"--top must be at least 1, not {args.top}", 2)
+        paths: list[str] = args.paths
+        if not paths:
+            raise CommandError("nothing to read: give a snapshot PATH, or diff A B", 2)
+        if paths[0] == "diff":
+            if len(paths) != 3:
+                raise CommandError("diff compares two snapshots: diff A B", 2)
+            if args.html:
+                raise CommandError("--html shows one snapshot, not a diff", 2)
+            diff = _load(paths[1]).diff(_load(paths[2]))
+            _save_json(args.json, diff.to_json())
+            print(snapshot.diff_text(diff, args.top))
+            return 0
+        if len(paths) != 1:
+            raise CommandError(f"one snapshot at a time (or diff A B), not {len(paths)}", 2)
+        loaded = _load(paths[0])
+        _save_json(args.json, loaded.to_json())
+        if args.html:
+            loaded.save_html(args.html, args.top)
+        print(snapshot.text(loaded, args.top))
+        return 0
+
+
+def _load(path: str) -> Snapshot:
+    from torchmem.errors import SnapshotError
+    from torchmem.snapshot import load_snapshot
+
+    try:
+        return load_snapshot(path)
+    except SnapshotError as exc:
+        raise CommandError(str(exc)) from None
+    except OSError as exc:
+        raise CommandError(f"cannot read {path}: {exc.strerror or exc}") from None
+
+
+def _save_json(path: str | None, data: dict[str, Any]) -> None:
+    if path:
+        Path(path).write_text(json.dumps(data, indent=1) + "\n")

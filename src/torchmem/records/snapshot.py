@@ -1,0 +1,228 @@
+"""A memory snapshot's records: what PyTorch's caching allocator held, per device, in bytes
+and seconds.
+
+Made by :mod:`torchmem.snapshot` (``torchmem snapshot``, ``torchmem.load_snapshot``); read
+by the renderers in :mod:`torchmem.render.snapshot`. :meth:`SnapshotRecord.to_json` and
+:meth:`SnapshotDiffRecord.to_json` are the documented JSON contract.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from torchmem.records.run import Site
+
+STATES = ("active_allocated", "active_pending_free", "inactive")
+"""A block's states in a snapshot: in use, freed but still used by a stream, free."""
+
+
+@dataclass(frozen=True)
+class Block:
+    """One block of a segment."""
+
+    address: int
+    bytes: int
+    state: str
+    """One of :data:`STATES` (or what the snapshot says, where PyTorch adds one)."""
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One segment: memory the caching allocator reserved from the device (a cudaMalloc)."""
+
+    device: int
+    address: int
+    total_bytes: int
+    """Bytes reserved."""
+    allocated_bytes: int
+    """Bytes of its ``active_allocated`` blocks."""
+    active_bytes: int
+    """Bytes of its ``active_allocated`` and ``active_pending_free`` blocks."""
+    largest_free_bytes: int
+    """The largest ``inactive`` block: the largest request it could serve now."""
+    stream: int
+    segment_type: str | None
+    """``"large"`` or ``"small"`` (the allocator's two pools); None where the snapshot
+    does not say."""
+    blocks: tuple[Block, ...]
+    """In address order."""
+
+    @property
+    def free_bytes(self) -> int:
+        """Bytes inside it that no block is using: :attr:`total_bytes` minus
+        :attr:`active_bytes`."""
+        return self.total_bytes - self.active_bytes
+
+
+@dataclass(frozen=True)
+class OOM:
+    """An out-of-memory event of the trace: a request the allocator could not serve."""
+
+    requested_bytes: int
+    time: float
+    """Seconds from the first entry of the device's trace."""
+    device_free_bytes: int | None
+    """What the device had free then, as the allocator saw it (None where not recorded)."""
+    largest_free_bytes: int
+    """The largest free block in the snapshot's segments on the device."""
+
+
+@dataclass(frozen=True)
+class DeviceSnapshot:
+    """What one device held when the snapshot was taken, and what its trace shows."""
+
+    device: int
+    """The device index the snapshot gives (``cuda:N``)."""
+    allocated_bytes: int
+    """Bytes of ``active_allocated`` blocks."""
+    active_bytes: int
+    """Bytes of ``active_allocated`` and ``active_pending_free`` blocks."""
+    reserved_bytes: int
+    """Bytes of all segments."""
+    segments: tuple[Segment, ...]
+    """Largest first."""
+    sites: tuple[Site, ...]
+    """Allocation sites of the ``active_allocated`` blocks, largest first."""
+    peak_bytes: int | None = None
+    """The highest active bytes over the trace; None where the snapshot has no trace."""
+    peak_time: float | None = None
+    """Seconds from the first entry of the trace to the peak."""
+    duration: float = 0.0
+    """Seconds from the first entry of the trace to its last."""
+    timeline: tuple[tuple[float, int], ...] = ()
+    """``(end of interval in seconds, highest active bytes during the interval)``: exact
+    peaks over consecutive intervals of the trace."""
+    sites_at_peak: tuple[Site, ...] = ()
+    """Allocation sites alive at the peak, largest first."""
+    oom: OOM | None = None
+    """The trace's last out-of-memory event, if it has one."""
+
+
+@dataclass(frozen=True)
+class SnapshotRecord:
+    """A memory snapshot (``torch.cuda.memory._snapshot()``), analysed."""
+
+    devices: dict[int, DeviceSnapshot]
+    """Per device index, in increasing order."""
+    source: str = ""
+    """The file it was read from; empty for one made from a dict in memory."""
+
+    @property
+    def allocated_bytes(self) -> int:
+        """Bytes of ``active_allocated`` blocks, all devices."""
+        return sum(d.allocated_bytes for d in self.devices.values())
+
+    @property
+    def active_bytes(self) -> int:
+        """Bytes of ``active_allocated`` and ``active_pending_free`` blocks, all devices."""
+        return sum(d.active_bytes for d in self.devices.values())
+
+    @property
+    def reserved_bytes(self) -> int:
+        """Bytes of all segments, all devices."""
+        return sum(d.reserved_bytes for d in self.devices.values())
+
+    def to_json(self) -> dict[str, Any]:
+        """The documented JSON form (``torchmem snapshot --json``): bytes are ints, times
+        seconds, device indices strings (JSON's keys)."""
+        return {
+            "source": self.source,
+            "allocated_bytes": self.allocated_bytes,
+            "active_bytes": self.active_bytes,
+            "reserved_bytes": self.reserved_bytes,
+            "devices": {str(index): _device_json(d) for index, d in self.devices.items()},
+        }
+
+
+@dataclass(frozen=True)
+class SiteChange:
+    """An allocation site whose live bytes differ between two snapshots."""
+
+    file: str
+    line: int
+    function: str
+    before_bytes: int
+    after_bytes: int
+
+    @property
+    def change_bytes(self) -> int:
+        """:attr:`after_bytes` minus :attr:`before_bytes`."""
+        return self.after_bytes - self.before_bytes
+
+
+@dataclass(frozen=True)
+class SnapshotDiffRecord:
+    """How a later snapshot differs from an earlier one, all devices together."""
+
+    before: str
+    """The earlier snapshot's file (empty where it came from memory)."""
+    after: str
+    totals: dict[str, tuple[int, int]]
+    """``"allocated"``, ``"active"``, ``"reserved"`` -> (bytes before, bytes after)."""
+    sites: tuple[SiteChange, ...]
+    """Sites of ``active_allocated`` blocks whose bytes changed, largest change (grown or
+    shrunk) first."""
+
+    def to_json(self) -> dict[str, Any]:
+        """The documented JSON form (``torchmem snapshot diff --json``)."""
+        return {
+            "before": self.before,
+            "after": self.after,
+            "totals": {
+                name: {"before_bytes": b, "after_bytes": a, "change_bytes": a - b}
+                for name, (b, a) in self.totals.items()
+            },
+            "sites": [
+                {
+                    "file": s.file,
+                    "line": s.line,
+                    "function": s.function,
+                    "before_bytes": s.before_bytes,
+                    "after_bytes": s.after_bytes,
+                    "change_bytes": s.change_bytes,
+                }
+                for s in self.sites
+            ],
+        }
+
+
+def _site_json(site: Site) -> dict[str, Any]:
+    return {"file": site.file, "line": site.line, "function": site.function, "bytes": site.bytes}
+
+
+def _device_json(device: DeviceSnapshot) -> dict[str, Any]:
+    oom = device.oom
+    return {
+        "allocated_bytes": device.allocated_bytes,
+        "active_bytes": device.active_bytes,
+        "reserved_bytes": device.reserved_bytes,
+        "peak_bytes": device.peak_bytes,
+        "peak_time_s": device.peak_time,
+        "duration_s": device.duration,
+        "sites": [_site_json(s) for s in device.sites],
+        "sites_at_peak": [_site_json(s) for s in device.sites_at_peak],
+        "segments": [
+            {
+                "address": s.address,
+                "total_bytes": s.total_bytes,
+                "allocated_bytes": s.allocated_bytes,
+                "active_bytes": s.active_bytes,
+                "free_bytes": s.free_bytes,
+                "largest_free_bytes": s.largest_free_bytes,
+                "stream": s.stream,
+                "segment_type": s.segment_type,
+                "blocks": [[b.address, b.bytes, b.state] for b in s.blocks],
+            }
+            for s in device.segments
+        ],
+        "oom": None
+        if oom is None
+        else {
+            "requested_bytes": oom.requested_bytes,
+            "time_s": oom.time,
+            "device_free_bytes": oom.device_free_bytes,
+            "largest_free_bytes": oom.largest_free_bytes,
+        },
+        "timeline": [[t, b] for t, b in device.timeline],
+    }

@@ -272,8 +272,8 @@ class _Reader:
             at = blocks[-1].address + size
             if state == "active_allocated":
                 frames = block.get("frames")
-                if frames is None and block.get("history"):  # before PyTorch 2.1
-                    frames = self.field(block["history"][-1], "frames", here, list, [])
+                if frames is None and block.get("history"):  # older PyTorch, as it reads them
+                    frames = self.field(block["history"][0], "frames", here, list, [])
                 key = self.site(frames or [], here)
                 own = sites.setdefault(device, {})
                 own[key] = own.get(key, 0) + size

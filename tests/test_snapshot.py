@@ -1,0 +1,498 @@
+"""Memory snapshots: loading never runs code from the file, and every number of a
+hand-built snapshot is exact to the byte."""
+
+from __future__ import annotations
+
+import builtins
+import copy
+import json
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import torchmem
+from standins import KiB, MiB
+from torchmem.errors import SnapshotError, TorchmemError
+from torchmem.records.run import Site
+from torchmem.snapshot import BEFORE_TRACE, NO_FRAMES, Snapshot, load_snapshot
+
+A = 0x7F0000000000
+"""The address of the first segment."""
+B = A + 0x10000000
+
+
+def frame(filename: str, line: int, name: str) -> dict[str, Any]:
+    return {"filename": filename, "line": line, "name": name}
+
+
+TORCH_FRAME = frame("/usr/lib/python3.11/site-packages/torch/nn/functional.py", 2000, "linear")
+FORWARD = frame("/home/me/train.py", 12, "forward")
+MAIN = frame("/home/me/train.py", 20, "main")
+BIG = frame("/home/me/train.py", 30, "big")
+
+
+def event(action: str, addr: int, size: int, seconds: float, *frames: dict[str, Any]) -> Any:
+    return {
+        "action": action,
+        "addr": addr,
+        "size": size,
+        "stream": 0,
+        "time_us": int(seconds * 1_000_000),
+        "frames": list(frames),
+    }
+
+
+def snapshot_dict() -> dict[str, Any]:
+    """In PyTorch's format (``torch.cuda._memory_viz`` reads it), optional keys left out
+    where older PyTorch left them out. Device 0: two segments, 12M reserved, 6M
+    allocated, 1M freed but pending; a trace that starts mid-run (its first entry frees
+    3M allocated before it) and runs out of memory. Device 1: one segment, 512K
+    allocated without frames, no trace."""
+    return {
+        "segments": [
+            {
+                "device": 0,
+                "address": A,
+                "total_size": 8 * MiB,
+                "allocated_size": 4 * MiB,
+                "active_size": 5 * MiB,
+                "requested_size": 4 * MiB,
+                "stream": 0,
+                "segment_type": "large",
+                "frames": [],
+                "blocks": [
+                    {
+                        "address": A,
+                        "size": 4 * MiB,
+                        "requested_size": 4 * MiB,
+                        "state": "active_allocated",
+                        "frames": [TORCH_FRAME, FORWARD],
+                    },
+                    {"address": A + 4 * MiB, "size": MiB, "state": "inactive"},
+                    {
+                        "address": A + 5 * MiB,
+                        "size": MiB,
+                        "requested_size": MiB,
+                        "state": "active_pending_free",
+                        "frames": [MAIN],
+                    },
+                    {"address": A + 6 * MiB, "size": 2 * MiB, "state": "inactive"},
+                ],
+            },
+            {  # an older snapshot's segment: no segment_type, blocks without addresses
+                "device": 0,
+                "address": B,
+                "total_size": 4 * MiB,
+                "stream": 0,
+                "blocks": [
+                    {
+                        "size": 2 * MiB,
+                        "state": "active_allocated",
+                        "history": [{"addr": B, "real_size": 2 * MiB, "frames": [MAIN]}],
+                    },
+                    {"size": 2 * MiB, "state": "inactive"},
+                ],
+            },
+            {
+                "device": 1,
+                "address": A,
+                "total_size": 2 * MiB,
+                "stream": 0,
+                "segment_type": "large",
+                "blocks": [
+                    {
+                        "address": A,
+                        "size": 512 * KiB,
+                        "requested_size": 500 * KiB,
+                        "state": "active_allocated",
+                        "frames": [],
+                    },
+                    {"address": A + 512 * KiB, "size": 1536 * KiB, "state": "inactive"},
+                ],
+            },
+        ],
+        "device_traces": [
+            [
+                event("free_completed", A + 0x20000000, 3 * MiB, 10.0),  # allocated before
+                event("alloc", B, 2 * MiB, 10.5, TORCH_FRAME, MAIN),
+                event("alloc", A + 0x30000000, 6 * MiB, 11.0, BIG),
+                event("free_requested", A + 0x30000000, 6 * MiB, 11.25),
+                event("free_completed", A + 0x30000000, 6 * MiB, 11.25),
+                {**event("oom", 0, 6 * MiB, 12.0), "device_free": MiB},
+            ],
+            [],
+        ],
+    }
+
+
+@pytest.fixture
+def snapshot_file(tmp_path: Path) -> Path:
+    path = tmp_path / "snapshot.pickle"
+    path.write_bytes(pickle.dumps(snapshot_dict()))
+    return path
+
+
+def torchmem_snapshot(*words: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-m", "torchmem", "snapshot", *words]
+    return subprocess.run(command, capture_output=True, text=True, cwd=cwd, timeout=120)
+
+
+# -- nothing from the file runs -------------------------------------------------------------
+
+
+class RunsAShellCommand:
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> Any:
+        return os.system, (f"touch {self.marker}",)
+
+
+class Evaluates:
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> Any:
+        return builtins.eval, (f"open({str(self.marker)!r}, 'w').close()",)
+
+
+def test_the_fixtures_payloads_do_run_when_unpickled_plainly(tmp_path: Path) -> None:
+    """The refusals below mean something: these pickles run their payload elsewhere."""
+    for payload in (RunsAShellCommand(tmp_path / "a"), Evaluates(tmp_path / "b")):
+        pickle.loads(pickle.dumps(payload))
+    assert (tmp_path / "a").exists() and (tmp_path / "b").exists()
+
+
+@pytest.mark.parametrize(
+    ("payload", "asks_for"),
+    [(RunsAShellCommand, f"{os.system.__module__}.system"), (Evaluates, "builtins.eval")],
+)
+def test_a_pickle_that_would_run_code_is_refused(
+    tmp_path: Path, payload: type, asks_for: str
+) -> None:
+    marker = tmp_path / "pwned"
+    path = tmp_path / "snapshot.pickle"
+    path.write_bytes(pickle.dumps({"segments": [], "device_traces": [[payload(marker)]]}))
+    with pytest.raises(SnapshotError) as caught:
+        load_snapshot(path)
+    assert str(caught.value) == (
+        f"refused to load {path}: it asks for {asks_for}, and a snapshot holds plain data"
+        " only; nothing from it was run"
+    )
+    assert isinstance(caught.value, TorchmemError)
+    assert not marker.exists()
+
+
+def test_a_persistent_id_is_refused(tmp_path: Path) -> None:
+    class Pickler(pickle.Pickler):
+        def persistent_id(self, obj: Any) -> Any:
+            return "outside" if obj == "the data" else None
+
+    path = tmp_path / "snapshot.pickle"
+    with path.open("wb") as file:
+        Pickler(file).dump({"segments": ["the data"]})
+    with pytest.raises(SnapshotError, match=r"it asks for a persistent object 'outside', and"):
+        load_snapshot(path)
+
+
+def test_the_command_refuses_it_in_one_line(tmp_path: Path) -> None:
+    marker = tmp_path / "pwned"
+    (tmp_path / "evil.pickle").write_bytes(pickle.dumps(RunsAShellCommand(marker)))
+    done = torchmem_snapshot("evil.pickle", cwd=tmp_path)
+    assert done.returncode == 1
+    assert done.stdout == ""
+    assert done.stderr == (
+        f"torchmem snapshot: error: refused to load evil.pickle: it asks for"
+        f" {os.system.__module__}.system, and a snapshot holds plain data only; nothing from"
+        " it was run\n"
+    )
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize(
+    ("content", "why"),
+    [
+        (b"not a pickle at all\n", "evil.pickle is not a pickle: "),
+        (pickle.dumps([1, 2]), "evil.pickle is not a memory snapshot: it holds a list, not a dict"),
+        (
+            pickle.dumps({"x": 1}),
+            "evil.pickle is not a memory snapshot: it has no list of 'segments'",
+        ),
+        (
+            pickle.dumps({"segments": [{"address": 0, "total_size": 1, "blocks": [{"size": 1}]}]}),
+            "evil.pickle is not a memory snapshot: segment 0, block 0 has no 'state'",
+        ),
+        (
+            pickle.dumps({"segments": [], "device_traces": [[{"action": "alloc", "size": "1"}]]}),
+            "evil.pickle is not a memory snapshot: entry 0 of the trace of device 0 has a bad"
+            " 'size'",
+        ),
+    ],
+)
+def test_what_is_not_a_snapshot_is_named(tmp_path: Path, content: bytes, why: str) -> None:
+    path = tmp_path / "evil.pickle"
+    path.write_bytes(content)
+    with pytest.raises(SnapshotError) as caught:
+        load_snapshot(path)
+    assert str(caught.value).replace(str(path), "evil.pickle").startswith(why)
+    done = torchmem_snapshot("evil.pickle", cwd=tmp_path)
+    assert done.returncode == 1
+    assert done.stderr.startswith(f"torchmem snapshot: error: {why}")
+    assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr
+
+
+def test_a_missing_file_and_a_bad_top_end_the_command(tmp_path: Path) -> None:
+    done = torchmem_snapshot("nothing.pickle", cwd=tmp_path)
+    assert (done.returncode, done.stderr) == (
+        1,
+        "torchmem snapshot: error: cannot read nothing.pickle: No such file or directory\n",
+    )
+    done = torchmem_snapshot("--top", "0", "nothing.pickle", cwd=tmp_path)
+    assert (done.returncode, done.stderr) == (
+        2,
+        "torchmem snapshot: error: --top must be at least 1, not 0\n",
+    )
+
+
+# -- the numbers ----------------------------------------------------------------------------
+
+
+def test_totals_are_exact_per_device(snapshot_file: Path) -> None:
+    snap = load_snapshot(snapshot_file)
+    assert snap.source == str(snapshot_file)
+    assert list(snap.devices) == [0, 1]
+    zero, one = snap.devices[0], snap.devices[1]
+    assert (zero.allocated_bytes, zero.active_bytes, zero.reserved_bytes) == (
+        6 * MiB,
+        7 * MiB,
+        12 * MiB,
+    )
+    assert (one.allocated_bytes, one.active_bytes, one.reserved_bytes) == (
+        512 * KiB,
+        512 * KiB,
+        2 * MiB,
+    )
+    assert (snap.allocated_bytes, snap.active_bytes, snap.reserved_bytes) == (
+        6 * MiB + 512 * KiB,
+        7 * MiB + 512 * KiB,
+        14 * MiB,
+    )
+    assert zero.sites == (
+        Site("/home/me/train.py", 12, "forward", 4 * MiB),
+        Site("/home/me/train.py", 20, "main", 2 * MiB),
+    )
+    assert one.sites == (Site(NO_FRAMES, 0, "", 512 * KiB),)
+
+
+def test_fragmentation_per_segment(snapshot_file: Path) -> None:
+    first, second = load_snapshot(snapshot_file).devices[0].segments
+    assert (first.address, first.total_bytes, first.segment_type) == (A, 8 * MiB, "large")
+    assert (first.allocated_bytes, first.active_bytes) == (4 * MiB, 5 * MiB)
+    assert (first.free_bytes, first.largest_free_bytes) == (3 * MiB, 2 * MiB)
+    assert (second.address, second.total_bytes, second.segment_type) == (B, 4 * MiB, None)
+    assert (second.free_bytes, second.largest_free_bytes) == (2 * MiB, 2 * MiB)
+    assert [(b.address, b.bytes, b.state) for b in second.blocks] == [
+        (B, 2 * MiB, "active_allocated"),
+        (B + 2 * MiB, 2 * MiB, "inactive"),
+    ]
+
+
+def test_the_peak_of_a_trace_that_starts_mid_run(snapshot_file: Path) -> None:
+    """The replay ends at the 7M active (6M allocated + 1M pending free); its changes add
+    up to -3M + 2M + 6M - 6M = -1M, so the trace starts at 8M and peaks at 8M - 3M + 2M
+    + 6M = 13M, 1s after its first entry."""
+    zero = load_snapshot(snapshot_file).devices[0]
+    assert (zero.peak_bytes, zero.peak_time, zero.duration) == (13 * MiB, 1.0, 2.0)
+    assert zero.sites_at_peak == (
+        Site("/home/me/train.py", 30, "big", 6 * MiB),
+        Site(BEFORE_TRACE, 0, "", 5 * MiB),
+        Site("/home/me/train.py", 20, "main", 2 * MiB),
+    )
+    assert zero.timeline == (
+        (0.4, 8 * MiB),
+        (0.8, 7 * MiB),
+        (1.2, 13 * MiB),
+        (1.6, 13 * MiB),
+        (2.0, 7 * MiB),
+    )
+    one = load_snapshot(snapshot_file).devices[1]
+    assert (one.peak_bytes, one.peak_time, one.timeline, one.oom) == (None, None, (), None)
+
+
+def test_the_oom_event_against_the_largest_free_block(snapshot_file: Path) -> None:
+    oom = load_snapshot(snapshot_file).devices[0].oom
+    assert oom is not None
+    assert (oom.requested_bytes, oom.largest_free_bytes, oom.device_free_bytes, oom.time) == (
+        6 * MiB,
+        2 * MiB,
+        MiB,
+        2.0,
+    )
+
+
+def test_a_long_trace_keeps_at_most_2000_exact_intervals() -> None:
+    data = {"segments": [], "device_traces": [[]]}
+    for i in range(5000):
+        data["device_traces"][0] += [
+            event("alloc", 4096, 512 + i, i / 1000),
+            event("free_completed", 4096, 512 + i, i / 1000 + 0.0005),
+        ]
+    zero = Snapshot.from_dict(data).devices[0]
+    assert len(zero.timeline) == 2000
+    assert zero.peak_bytes == max(size for _, size in zero.timeline) == 512 + 4999
+    assert zero.timeline[-1] == (pytest.approx(4.9995), 512 + 4999)
+
+
+def test_pytorchs_own_reader_takes_the_hand_built_snapshot() -> None:
+    memory_viz = pytest.importorskip("torch.cuda._memory_viz")
+    summary = memory_viz.segsum(snapshot_dict())
+    assert "total_reserved: 14.0MiB\ntotal_allocated: 6.5MiB\n" in summary
+
+
+def test_a_snapshot_from_memory_and_the_exports(snapshot_file: Path) -> None:
+    assert Snapshot.from_dict(snapshot_dict()) == Snapshot(load_snapshot(snapshot_file).devices)
+    assert torchmem.load_snapshot is load_snapshot
+    assert torchmem.SnapshotError is SnapshotError
+    assert torchmem.Snapshot is Snapshot
+
+
+# -- the reports ----------------------------------------------------------------------------
+
+REPORT = """\
+torchmem: memory snapshot of snapshot.pickle
+
+device  allocated   active  reserved    peak     at
+0           6.00M    7.00M    12.00M  13.00M  1.00s
+1         512.00K  512.00K     2.00M       -      -
+
+Allocation sites alive at the peak on device 0:
+  6.00M  /home/me/train.py:30  big
+  5.00M  <before the trace>
+  ... and 1 more site
+
+Segments on device 0, largest first:
+  address          size  active   free  largest free  blocks
+  0x7f0000000000  8.00M   5.00M  3.00M         2.00M       4
+  0x7f0010000000  4.00M   2.00M  2.00M         2.00M       2
+
+Out of memory on device 0 at 2.00s: asked for 6.00M; the largest free block was 2.00M; \
+the device had 1.00M free.
+
+Allocation sites in use at the snapshot on device 1:
+  512.00K  <no frames>
+
+Segments on device 1, largest first:
+  address          size   active   free  largest free  blocks
+  0x7f0000000000  2.00M  512.00K  1.50M         1.50M       2
+"""
+
+
+def test_the_command_prints_the_report(snapshot_file: Path) -> None:
+    done = torchmem_snapshot(
+        "--top", "2", "--json", "out.json", snapshot_file.name, cwd=snapshot_file.parent
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == REPORT
+    data = json.loads((snapshot_file.parent / "out.json").read_text())
+    expected = load_snapshot(snapshot_file).to_json() | {"source": "snapshot.pickle"}
+    assert data == json.loads(json.dumps(expected))
+    assert data["devices"]["0"]["peak_bytes"] == 13 * MiB
+
+
+def test_the_html_page_fetches_nothing(snapshot_file: Path, tmp_path: Path) -> None:
+    snap = load_snapshot(snapshot_file)
+    out = tmp_path / "page.html"
+    snap.save_html(out)
+    page = out.read_text()
+    assert page.startswith("<!DOCTYPE html>") and page.endswith("</html>\n")
+    assert "http" not in page and "<script" not in page.lower() and "url(" not in page
+    assert page.count("<svg") == 3  # the timeline of device 0, a segment map per device
+    assert page.count("active_allocated at") == 3  # the tooltips of the allocated blocks
+    assert "13.00M" in snap._repr_html_()
+
+
+def test_diff_of_two_snapshots(tmp_path: Path) -> None:
+    later = copy.deepcopy(snapshot_dict())
+    later["segments"][1]["blocks"][0]["state"] = "inactive"
+    later["segments"].append(
+        {
+            "device": 0,
+            "address": B + 0x10000000,
+            "total_size": 20 * MiB,
+            "stream": 0,
+            "blocks": [
+                {
+                    "size": 16 * MiB,
+                    "state": "active_allocated",
+                    "frames": [frame("/home/me/train.py", 40, "grow")],
+                },
+                {"size": 4 * MiB, "state": "inactive"},
+            ],
+        }
+    )
+    diff = Snapshot.from_dict(snapshot_dict(), "a.pickle").diff(
+        Snapshot.from_dict(later, "b.pickle")
+    )
+    assert diff.totals == {
+        "allocated": (6 * MiB + 512 * KiB, 20 * MiB + 512 * KiB),
+        "active": (7 * MiB + 512 * KiB, 21 * MiB + 512 * KiB),
+        "reserved": (14 * MiB, 34 * MiB),
+    }
+    assert [
+        (s.file, s.line, s.before_bytes, s.after_bytes, s.change_bytes) for s in diff.sites
+    ] == [
+        ("/home/me/train.py", 40, 0, 16 * MiB, 16 * MiB),
+        ("/home/me/train.py", 20, 2 * MiB, 0, -2 * MiB),
+    ]
+    assert str(diff) == (
+        "torchmem: snapshot diff a.pickle -> b.pickle\n"
+        "\n"
+        "           before   after   change\n"
+        "allocated   6.50M  20.50M  +14.00M\n"
+        "active      7.50M  21.50M  +14.00M\n"
+        "reserved   14.00M  34.00M  +20.00M\n"
+        "\n"
+        "Allocation sites that changed most:\n"
+        "  +16.00M  /home/me/train.py:40  grow  0.00B -> 16.00M\n"
+        "   -2.00M  /home/me/train.py:20  main   2.00M -> 0.00B"
+    )
+    assert diff.to_json()["totals"]["reserved"] == {
+        "before_bytes": 14 * MiB,
+        "after_bytes": 34 * MiB,
+        "change_bytes": 20 * MiB,
+    }
+    (tmp_path / "a.pickle").write_bytes(pickle.dumps(snapshot_dict()))
+    (tmp_path / "b.pickle").write_bytes(pickle.dumps(later))
+    done = torchmem_snapshot("diff", "a.pickle", "b.pickle", "--top", "1", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-3:] == [
+        "Allocation sites that changed most:",
+        "  +16.00M  /home/me/train.py:40  grow  0.00B -> 16.00M",
+        "  ... and 1 more site",
+    ]
+
+
+def test_to_dataframe_one_row_per_segment(snapshot_file: Path) -> None:
+    pytest.importorskip("pandas")
+    frame_ = load_snapshot(snapshot_file).to_dataframe()
+    assert list(frame_.columns) == [
+        "device",
+        "address",
+        "total_bytes",
+        "allocated_bytes",
+        "active_bytes",
+        "free_bytes",
+        "largest_free_bytes",
+        "blocks",
+        "stream",
+        "segment_type",
+    ]
+    assert frame_["total_bytes"].tolist() == [8 * MiB, 4 * MiB, 2 * MiB]
+    assert frame_["free_bytes"].tolist() == [3 * MiB, 2 * MiB, 1536 * KiB]
+    assert frame_["largest_free_bytes"].tolist() == [2 * MiB, 2 * MiB, 1536 * KiB]
+    assert frame_["device"].tolist() == [0, 0, 1]

@@ -252,11 +252,14 @@ def test_a_missing_file_and_a_bad_top_end_the_command(tmp_path: Path) -> None:
         1,
         "torchmem snapshot: error: cannot read nothing.pickle: No such file or directory\n",
     )
-    done = torchmem_snapshot("--top", "0", "nothing.pickle", cwd=tmp_path)
-    assert (done.returncode, done.stderr) == (
-        2,
-        "torchmem snapshot: error: --top must be at least 1, not 0\n",
-    )
+    for words, why in [
+        (("--top", "0", "nothing.pickle"), "--top must be at least 1, not 0"),
+        (("diff", "a.pickle"), "diff compares two snapshots: diff A B"),
+        (("--html", "o.html", "diff", "a", "b"), "--html shows one snapshot, not a diff"),
+        (("a.pickle", "b.pickle"), "one snapshot at a time (or diff A B), not 2"),
+    ]:
+        done = torchmem_snapshot(*words, cwd=tmp_path)
+        assert (done.returncode, done.stderr) == (2, f"torchmem snapshot: error: {why}\n")
 
 
 # -- the numbers ----------------------------------------------------------------------------
@@ -348,6 +351,28 @@ def test_a_long_trace_keeps_at_most_2000_exact_intervals() -> None:
     assert zero.timeline[-1] == (pytest.approx(4.9995), 512 + 4999)
 
 
+def test_a_site_is_the_innermost_frame_of_the_users_code() -> None:
+    """PyTorch, Python's standard library and C++ frames are skipped, by their paths on
+    the machine that took the snapshot; installed packages are the user's code."""
+    frames = [
+        frame("??", 0, "c10::cuda::CUDACachingAllocator::malloc"),
+        frame("/opt/conda/lib/python3.10/site-packages/torch/nn/modules/linear.py", 125, "f"),
+        frame("/opt/conda/lib/python3.10/runpy.py", 86, "_run_code"),
+        frame("", 0, "unknown"),
+        frame("/opt/conda/lib/python3.10/site-packages/mylib/layers.py", 3, "build"),
+        frame("/home/me/train.py", 5, "<module>"),
+    ]
+    block = {"size": 512, "requested_size": 512, "state": "active_allocated", "frames": frames}
+    data = {"segments": [{"address": 0, "total_size": 512, "blocks": [block]}]}
+    assert Snapshot.from_dict(data).devices[0].sites == (
+        Site("/opt/conda/lib/python3.10/site-packages/mylib/layers.py", 3, "build", 512),
+    )
+    block["frames"] = frames[:4]
+    assert Snapshot.from_dict(data).devices[0].sites == (
+        Site("??", 0, "c10::cuda::CUDACachingAllocator::malloc", 512),
+    )
+
+
 def test_pytorchs_own_reader_takes_the_hand_built_snapshot() -> None:
     memory_viz = pytest.importorskip("torch.cuda._memory_viz")
     summary = memory_viz.segsum(snapshot_dict())
@@ -393,11 +418,13 @@ Segments on device 1, largest first:
 
 
 def test_the_command_prints_the_report(snapshot_file: Path) -> None:
-    done = torchmem_snapshot(
-        "--top", "2", "--json", "out.json", snapshot_file.name, cwd=snapshot_file.parent
-    )
+    words = ("--top", "2", "--json", "out.json", "--html", "page.html", snapshot_file.name)
+    done = torchmem_snapshot(*words, cwd=snapshot_file.parent)
     assert done.returncode == 0, done.stderr
     assert done.stdout == REPORT
+    page = (snapshot_file.parent / "page.html").read_text()
+    assert "<title>torchmem: memory snapshot of snapshot.pickle</title>" in page
+    assert "peak 13.00M at 1.00s" in page
     data = json.loads((snapshot_file.parent / "out.json").read_text())
     expected = load_snapshot(snapshot_file).to_json() | {"source": "snapshot.pickle"}
     assert data == json.loads(json.dumps(expected))
@@ -496,3 +523,33 @@ def test_to_dataframe_one_row_per_segment(snapshot_file: Path) -> None:
     assert frame_["free_bytes"].tolist() == [3 * MiB, 2 * MiB, 1536 * KiB]
     assert frame_["largest_free_bytes"].tolist() == [2 * MiB, 2 * MiB, 1536 * KiB]
     assert frame_["device"].tolist() == [0, 0, 1]
+
+
+@pytest.mark.cuda
+def test_a_real_snapshot_adds_up(tmp_path: Path) -> None:
+    """Sizes that are multiples of 512 bytes, so that the allocator's rounding does not
+    show; the trace starts after earlier tests allocated, which the anchoring absorbs."""
+    import torch
+
+    memory = torch.cuda.memory
+    path = tmp_path / "real.pickle"
+    memory._record_memory_history(stacks="python")
+    try:
+        kept = torch.empty(4 * MiB, dtype=torch.uint8, device="cuda")  # KEPT_LINE
+        dropped = torch.empty(8 * MiB, dtype=torch.uint8, device="cuda")
+        del dropped
+        memory._dump_snapshot(str(path))
+        allocated, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+    finally:
+        memory._record_memory_history(enabled=None)
+    device = load_snapshot(path).devices[torch.cuda.current_device()]
+    assert (device.allocated_bytes, device.reserved_bytes) == (allocated, reserved)
+    assert device.peak_bytes == allocated + 8 * MiB
+    kept_line = (
+        Path(__file__)
+        .read_text()
+        .splitlines()
+        .index('        kept = torch.empty(4 * MiB, dtype=torch.uint8, device="cuda")  # KEPT_LINE')
+    )
+    assert Site(__file__, kept_line + 1, "test_a_real_snapshot_adds_up", 4 * MiB) in device.sites
+    del kept

@@ -47,7 +47,7 @@ BEFORE_TRACE = "<before the trace>"
 _NOT_USER = re.compile(
     r"[/\\](torch|torchmem)[/\\]"  # PyTorch, torchmem
     r"|[/\\]lib[/\\]python3\.\d+[/\\](?!site-packages|dist-packages)|[/\\]Lib[/\\](?!site-)"
-    r"|^<frozen |\.(c|cc|cpp|cu|cuh|h|hpp)$|^\?\?$"  # frozen modules, C++ frames
+    r"|^<frozen |\.(c|cc|cpp|cu|cuh|h|hpp|so)$|^(\?\?)?$"  # frozen modules, C++ frames
 )
 """Files that are not the user's code, by their path alone: the snapshot may come from
 another machine, so the paths of this one's installation say nothing."""

@@ -388,6 +388,31 @@ def test_a_snapshot_from_memory_and_the_exports(snapshot_file: Path) -> None:
 
 # -- the reports ----------------------------------------------------------------------------
 
+
+def test_a_snapshot_without_a_trace_or_without_anything() -> None:
+    assert str(Snapshot.from_dict({"segments": []}, "e.pickle")) == (
+        "torchmem: memory snapshot of e.pickle\n\nThe snapshot holds no segments and no trace."
+    )
+    untraced = snapshot_dict()
+    del untraced["device_traces"]
+    lines = str(Snapshot.from_dict(untraced)).splitlines()
+    assert lines[:7] == [
+        "torchmem: memory snapshot",
+        "",
+        "device  allocated   active  reserved  peak  at",
+        "0           6.00M    7.00M    12.00M     -   -",
+        "1         512.00K  512.00K     2.00M     -   -",
+        "The snapshot has no trace: no peak.",
+        "",
+    ]
+    assert lines[7:10] == [
+        "Allocation sites in use at the snapshot on device 0:",
+        "  4.00M  /home/me/train.py:12  forward",
+        "  2.00M  /home/me/train.py:20  main",
+    ]
+    assert not any(line.startswith("Out of memory") for line in lines)
+
+
 REPORT = """\
 torchmem: memory snapshot of snapshot.pickle
 

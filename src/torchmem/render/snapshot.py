@@ -60,11 +60,8 @@ def _devices(record: SnapshotRecord) -> Section:
         for d in record.devices.values()
     ]
     header = ("device", "allocated", "active", "reserved", "peak", "at")
-    more = (
-        ""
-        if any(d.peak_bytes is not None for d in record.devices.values())
-        else ("The snapshot has no trace: no peak.")
-    )
+    traced = any(d.peak_bytes is not None for d in record.devices.values())
+    more = "" if traced else "The snapshot has no trace: no peak."
     return Section("", rows, header=header, more=more)
 
 
@@ -115,11 +112,9 @@ def _oom(device: DeviceSnapshot) -> str | None:
     oom = device.oom
     if oom is None:
         return None
-    free = (
-        ""
-        if oom.device_free_bytes is None
-        else (f"; the device had {readable_size(oom.device_free_bytes)} free")
-    )
+    free = ""
+    if oom.device_free_bytes is not None:
+        free = f"; the device had {readable_size(oom.device_free_bytes)} free"
     return (
         f"Out of memory on device {device.device} at {_seconds(oom.time)}: asked for"
         f" {readable_size(oom.requested_bytes)}; the largest free block was"

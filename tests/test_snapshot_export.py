@@ -130,3 +130,21 @@ def test_torchmem_run_saves_a_snapshot(tmp_path: Path) -> None:
     ours = [s for s in data["segments"] if s["frames"] and s["frames"][0]["filename"] == "job.py"]
     assert [(s["total_size"], s["frames"][0]["line"]) for s in ours] == [(4 * MiB, 2)]
     assert "total_allocated" in _memory_viz.segsum(data)
+
+
+def test_torchmems_loader_reads_a_cpu_recording_as_the_report_does(tmp_path: Path) -> None:
+    with torchmem.record("cpu") as rec:
+        kept = torch.zeros(1024, 1024)
+        spike = torch.zeros(4096, 1024)  # 16 MiB, the peak
+        del spike
+    rec.save_snapshot(tmp_path / "cpu.pickle")
+    assert kept.sum() == 0
+    cpu = rec.report().devices["cpu"]
+    snap = torchmem.load_snapshot(tmp_path / "cpu.pickle")
+    (device,) = snap.devices.values()
+    assert device.allocated_bytes == device.active_bytes == device.reserved_bytes
+    # The snapshot counts what Python could see alive; the rise to the peak is the same.
+    assert device.peak_bytes - device.allocated_bytes == cpu.peak_bytes - cpu.end_bytes
+    assert cpu.peak_bytes - cpu.end_bytes == 16 * MiB
+    top = device.sites_at_peak[0]
+    assert (top.file, top.bytes) == (HERE, 16 * MiB)

@@ -578,3 +578,10 @@ def test_a_real_snapshot_adds_up(tmp_path: Path) -> None:
     )
     assert Site(__file__, kept_line + 1, "test_a_real_snapshot_adds_up", 4 * MiB) in device.sites
     del kept
+
+
+def test_the_readmes_sample_is_this_report() -> None:
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = readme.split("## Memory snapshots, offline", 1)[1]
+    sample = section.split("$ torchmem snapshot snapshot.pickle --top 2\n", 1)[1]
+    assert sample.split("```", 1)[0] == REPORT

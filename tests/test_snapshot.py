@@ -400,13 +400,13 @@ def test_a_snapshot_without_a_trace_or_without_anything() -> None:
         "torchmem: memory snapshot",
         "",
         "device  allocated   active  reserved  peak  at",
-        "0           6.00M    7.00M    12.00M     -   -",
-        "1         512.00K  512.00K     2.00M     -   -",
+        "cuda:0      6.00M    7.00M    12.00M     -   -",
+        "cuda:1    512.00K  512.00K     2.00M     -   -",
         "The snapshot has no trace: no peak.",
         "",
     ]
     assert lines[7:10] == [
-        "Allocation sites in use at the snapshot on device 0:",
+        "Allocation sites in use at the snapshot on cuda:0:",
         "  4.00M  /home/me/train.py:12  forward",
         "  2.00M  /home/me/train.py:20  main",
     ]
@@ -417,26 +417,26 @@ REPORT = """\
 torchmem: memory snapshot of snapshot.pickle
 
 device  allocated   active  reserved    peak     at
-0           6.00M    7.00M    12.00M  13.00M  1.00s
-1         512.00K  512.00K     2.00M       -      -
+cuda:0      6.00M    7.00M    12.00M  13.00M  1.00s
+cuda:1    512.00K  512.00K     2.00M       -      -
 
-Allocation sites alive at the peak on device 0:
+Allocation sites alive at the peak on cuda:0:
   6.00M  /home/me/train.py:30  big
   5.00M  <before the trace>
   ... and 1 more site
 
-Segments on device 0, largest first:
+Segments on cuda:0, largest first:
   address          size  active   free  largest free  blocks
   0x7f0000000000  8.00M   5.00M  3.00M         2.00M       4
   0x7f0010000000  4.00M   2.00M  2.00M         2.00M       2
 
-Out of memory on device 0 at 2.00s: asked for 6.00M; the largest free block was 2.00M; \
+Out of memory on cuda:0 at 2.00s: asked for 6.00M; the largest free block was 2.00M; \
 the device had 1.00M free.
 
-Allocation sites in use at the snapshot on device 1:
+Allocation sites in use at the snapshot on cuda:1:
   512.00K  <no frames>
 
-Segments on device 1, largest first:
+Segments on cuda:1, largest first:
   address          size   active   free  largest free  blocks
   0x7f0000000000  2.00M  512.00K  1.50M         1.50M       2
 """
@@ -547,7 +547,7 @@ def test_to_dataframe_one_row_per_segment(snapshot_file: Path) -> None:
     assert frame_["total_bytes"].tolist() == [8 * MiB, 4 * MiB, 2 * MiB]
     assert frame_["free_bytes"].tolist() == [3 * MiB, 2 * MiB, 1536 * KiB]
     assert frame_["largest_free_bytes"].tolist() == [2 * MiB, 2 * MiB, 1536 * KiB]
-    assert frame_["device"].tolist() == [0, 0, 1]
+    assert frame_["device"].tolist() == ["cuda:0", "cuda:0", "cuda:1"]
 
 
 @pytest.mark.cuda

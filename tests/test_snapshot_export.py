@@ -52,8 +52,9 @@ def recorded(tmp_path: Path) -> tuple[dict[str, Any], int, int]:
 
 def test_a_cpu_recording_saves_its_live_allocations_as_segments(tmp_path: Path) -> None:
     data, kept_line, _ = recorded(tmp_path)
-    assert set(data) == {"segments", "device_traces"}
+    assert set(data) == {"segments", "device_traces", "torchmem_device_names"}
     assert len(data["device_traces"]) == 1  # the CPU is device 0 without GPUs
+    assert data["torchmem_device_names"] == ["cpu"]
     segments = mine(data["segments"])
     assert [(s["total_size"], s["frames"][0]["line"]) for s in segments] == [(4 * MiB, kept_line)]
     (segment,) = segments
@@ -142,6 +143,10 @@ def test_torchmems_loader_reads_a_cpu_recording_as_the_report_does(tmp_path: Pat
     cpu = rec.report().devices["cpu"]
     snap = torchmem.load_snapshot(tmp_path / "cpu.pickle")
     (device,) = snap.devices.values()
+    assert device.name == "cpu"
+    text = str(snap)
+    assert "Allocation sites alive at the peak on cpu:\n" in text
+    assert f"16.00M  {HERE}:" in text
     assert device.allocated_bytes == device.active_bytes == device.reserved_bytes
     # The snapshot counts what Python could see alive; the rise to the peak is the same.
     assert device.peak_bytes - device.allocated_bytes == cpu.peak_bytes - cpu.end_bytes

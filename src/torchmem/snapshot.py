@@ -26,6 +26,7 @@ from typing import IO, Any, NoReturn
 from torchmem.errors import SnapshotError
 from torchmem.records.run import Site
 from torchmem.records.snapshot import (
+    DEVICE_NAMES,
     OOM,
     Block,
     DeviceSnapshot,
@@ -240,6 +241,9 @@ class _Reader:
             segment = self.segment(raw, f"segment {i}", sites)
             segments.setdefault(segment.device, []).append(segment)
         traces = self.items(data, "device_traces", "it")
+        names = data.get(DEVICE_NAMES, [])
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            self.fail(f"its {DEVICE_NAMES!r} is not a list of strings")
         found = {}
         for index in sorted({*segments, *(i for i, t in enumerate(traces) if t)}):
             own = sorted(segments.get(index, []), key=lambda s: s.total_bytes, reverse=True)
@@ -247,6 +251,7 @@ class _Reader:
             active = sum(s.active_bytes for s in own)
             device = DeviceSnapshot(
                 index,
+                names[index] if index < len(names) else f"cuda:{index}",
                 allocated,
                 active,
                 sum(s.total_bytes for s in own),
@@ -345,6 +350,7 @@ def _replayed(device: DeviceSnapshot, entries: list[_Entry]) -> DeviceSnapshot:
     duration = entries[-1].time
     return DeviceSnapshot(
         device.device,
+        device.name,
         device.allocated_bytes,
         device.active_bytes,
         device.reserved_bytes,

@@ -20,6 +20,7 @@ import time
 from typing import Any
 
 from torchmem.recorder.sources import Log
+from torchmem.records.snapshot import DEVICE_NAMES
 
 Frame = dict[str, Any]
 
@@ -54,14 +55,17 @@ def cpu_snapshot_parts(log: Log, device: int) -> tuple[list[dict[str, Any]], lis
 
 def snapshot(cpu: Log | None, cuda: dict[str, Any] | None) -> dict[str, Any]:
     """The snapshot of a recording: PyTorch's CUDA history `cuda` (``_snapshot()``'s
-    dictionary, or None), with the CPU `log` (or None) as the device after the GPUs."""
+    dictionary, or None), with the CPU `log` (or None) as the device after the GPUs, and
+    the name of each device under :data:`~torchmem.records.snapshot.DEVICE_NAMES`."""
     segments = list(cuda["segments"]) if cuda else []
     traces = [list(t) for t in cuda["device_traces"]] if cuda else []
+    names = [f"cuda:{index}" for index in range(len(traces))]
     if cpu is not None:
         cpu_segments, cpu_trace = cpu_snapshot_parts(cpu, len(traces))
         segments += cpu_segments
         traces.append(cpu_trace)
-    return {"segments": segments, "device_traces": traces}
+        names.append("cpu")
+    return {"segments": segments, "device_traces": traces, DEVICE_NAMES: names}
 
 
 def _entry(

@@ -17,6 +17,11 @@ STATES = ("active_allocated", "active_pending_free", "inactive")
 """A block's states in a snapshot: in use, freed but still used by a stream, free."""
 
 
+DEVICE_NAMES = "torchmem_device_names"
+"""The key of a snapshot torchmem saved that names each device index (``["cuda:0",
+"cpu"]``); PyTorch's readers ignore it. Without it, index N is ``cuda:N``."""
+
+
 @dataclass(frozen=True)
 class Block:
     """One block of a segment."""
@@ -73,7 +78,10 @@ class DeviceSnapshot:
     """What one device held when the snapshot was taken, and what its trace shows."""
 
     device: int
-    """The device index the snapshot gives (``cuda:N``)."""
+    """The device index the snapshot gives."""
+    name: str
+    """The device, as torchmem names devices: ``"cuda:N"`` for index N, ``"cpu"`` for the
+    CPU of a recording torchmem saved (see :meth:`Recording.save_snapshot`)."""
     allocated_bytes: int
     """Bytes of ``active_allocated`` blocks."""
     active_bytes: int
@@ -194,6 +202,7 @@ def _site_json(site: Site) -> dict[str, Any]:
 def _device_json(device: DeviceSnapshot) -> dict[str, Any]:
     oom = device.oom
     return {
+        "name": device.name,
         "allocated_bytes": device.allocated_bytes,
         "active_bytes": device.active_bytes,
         "reserved_bytes": device.reserved_bytes,

@@ -50,7 +50,7 @@ def _more(count: int, what: str) -> str:
 def _devices(record: SnapshotRecord) -> Section:
     rows = [
         (
-            str(d.device),
+            d.name,
             readable_size(d.allocated_bytes),
             readable_size(d.active_bytes),
             readable_size(d.reserved_bytes),
@@ -78,7 +78,7 @@ def _sites(device: DeviceSnapshot, top: int) -> Section | None:
         return None
     rows = [(readable_size(s.bytes), _where(s.file, s.line), s.function) for s in sites[:top]]
     return Section(
-        f"Allocation sites {when} on device {device.device}:",
+        f"Allocation sites {when} on {device.name}:",
         rows,
         left=(1, 2),
         more=_more(len(sites) - top, "site"),
@@ -100,7 +100,7 @@ def _segments(device: DeviceSnapshot, top: int) -> Section | None:
         for s in device.segments[:top]
     ]
     return Section(
-        f"Segments on device {device.device}, largest first:",
+        f"Segments on {device.name}, largest first:",
         rows,
         left=(0,),
         header=("address", "size", "active", "free", "largest free", "blocks"),
@@ -116,7 +116,7 @@ def _oom(device: DeviceSnapshot) -> str | None:
     if oom.device_free_bytes is not None:
         free = f"; the device had {readable_size(oom.device_free_bytes)} free"
     return (
-        f"Out of memory on device {device.device} at {_seconds(oom.time)}: asked for"
+        f"Out of memory on {device.name} at {_seconds(oom.time)}: asked for"
         f" {readable_size(oom.requested_bytes)}; the largest free block was"
         f" {readable_size(oom.largest_free_bytes)}{free}."
     )
@@ -159,7 +159,7 @@ def text(record: SnapshotRecord, top: int = 10) -> str:
 def _timeline_svg(device: DeviceSnapshot) -> str:
     peak = device.peak_bytes if device.peak_bytes is not None else device.active_bytes
     run = DeviceRun(
-        f"device {device.device}",
+        device.name,
         device.timeline[0][1] if device.timeline else device.active_bytes,
         peak,
         device.peak_time or 0.0,
@@ -179,7 +179,7 @@ def segment_map(device: DeviceSnapshot, top: int = 10, width: int = 720) -> str:
     height = head + len(segments) * (bar + gap) + 4
     largest = max((s.total_bytes for s in segments), default=1) or 1
     scale = (width - left - 10) / largest
-    title = f"device {device.device}: segments, largest first (blue: allocated, orange:"
+    title = f"{device.name}: segments, largest first (blue: allocated, orange:"
     title += " freed, pending; grey: free)"
     parts = [
         f'<svg width="{width}" height="{height}" viewBox="0 0 {width} {height}" role="img" '
@@ -243,14 +243,16 @@ def page(record: SnapshotRecord, top: int = 10) -> str:
 
 def dataframe(record: SnapshotRecord) -> Any:
     """One row per segment (a row per block would repeat each segment's figures):
-    ``device``, ``address``, ``total_bytes``, ``allocated_bytes``, ``active_bytes``,
-    ``free_bytes``, ``largest_free_bytes``, ``blocks`` (how many), ``stream``,
-    ``segment_type``; segments of each device largest first. Needs pandas."""
+    ``device`` (``"cuda:0"``, ``"cpu"``), ``address``, ``total_bytes``,
+    ``allocated_bytes``, ``active_bytes``, ``free_bytes``, ``largest_free_bytes``,
+    ``blocks`` (how many), ``stream``, ``segment_type``; segments of each device largest
+    first. Needs pandas."""
     pd = require("pandas", "a snapshot's DataFrame")
-    segments = [s for d in record.devices.values() for s in d.segments]
+    rows = [(d.name, s) for d in record.devices.values() for s in d.segments]
+    segments = [s for _, s in rows]
     sizes = ("total_bytes", "allocated_bytes", "active_bytes", "free_bytes")
     data: dict[str, Any] = {
-        "device": pd.array([s.device for s in segments], dtype="int64"),
+        "device": [name for name, _ in rows],
         "address": pd.array([s.address for s in segments], dtype="int64"),
     }
     for name in sizes:

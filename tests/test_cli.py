@@ -168,6 +168,7 @@ class Raising:
     name = "fail"
     help = "raise an error"
     description = "Raise an error."
+    intermixed = False
 
     def __init__(self, error: BaseException) -> None:
         self.error = error

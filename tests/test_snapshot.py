@@ -585,3 +585,35 @@ def test_the_readmes_sample_is_this_report() -> None:
     section = readme.split("## Memory snapshots, offline", 1)[1]
     sample = section.split("$ torchmem snapshot snapshot.pickle --top 2\n", 1)[1]
     assert sample.split("```", 1)[0] == REPORT
+
+
+def test_the_command_in_process(
+    snapshot_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The same command through ``main``, for the errors that end it and each output."""
+    from torchmem.cli import main
+
+    out = tmp_path / "out"
+    assert main(["snapshot", "--top", "2", "--json", f"{out}.json", str(snapshot_file)]) == 0
+    assert capsys.readouterr().out.endswith(REPORT.rsplit("\n\n", 1)[1])
+    assert json.loads(Path(f"{out}.json").read_text())["devices"]["0"]["peak_bytes"] == 13 * MiB
+    later = tmp_path / "later.pickle"
+    later.write_bytes(pickle.dumps(snapshot_dict()))
+    assert (
+        main(["snapshot", "diff", "--json", f"{out}.diff.json", str(snapshot_file), str(later)])
+        == 0
+    )
+    assert json.loads(Path(f"{out}.diff.json").read_text())["sites"] == []
+    capsys.readouterr()
+    for words, code, message in [
+        (["--top", "0", str(snapshot_file)], 2, "--top must be at least 1, not 0"),
+        ([], 2, "nothing to read: give a snapshot PATH, or diff A B"),
+        (["diff", str(snapshot_file)], 2, "diff compares two snapshots: diff A B"),
+        (["--html", "x.html", "diff", "a", "b"], 2, "--html shows one snapshot, not a diff"),
+        (["a", "b"], 2, "one snapshot at a time (or diff A B), not 2"),
+        ([str(tmp_path / "none.pickle")], 1, f"cannot read {tmp_path / 'none.pickle'}:"),
+    ]:
+        assert main(["snapshot", *words]) == code, words
+        err = capsys.readouterr().err
+        assert err.startswith(f"torchmem snapshot: error: {message}"), err
+        assert err.count("\n") == 1

@@ -78,7 +78,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return _flushed(0)
             command, command_parser = commands[words[at]]
             prog = command_parser.prog
-            args = command_parser.parse_args(words[at + 1 :])
+            parse = (
+                command_parser.parse_intermixed_args
+                if command.intermixed
+                else command_parser.parse_args
+            )
+            args = parse(words[at + 1 :])
         except SystemExit as exc:  # argparse after --help, --version or a usage error
             return _flushed(int(exc.code or 0))
         try:

@@ -19,6 +19,10 @@ class Command(Protocol):
     """One line for the list of commands in ``torchmem --help``."""
     description: str
     """What ``torchmem NAME --help`` says above the options."""
+    intermixed: bool = False
+    """Whether options may come between its positional words (``torchmem snapshot diff
+    --json OUT A B``): parsed with ``parse_intermixed_args``, which a command whose last
+    positional takes the rest of the line (``torchmem run``) cannot use."""
 
     def prepare_parser(self, parser: argparse.ArgumentParser) -> None:
         """Add the command's options to `parser` (its prog is ``torchmem NAME``)."""

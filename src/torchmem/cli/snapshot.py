@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 class SnapshotCommand(Command):
     name = "snapshot"
     help = "read a PyTorch memory snapshot safely and say what it holds"
+    intermixed = True  # torchmem snapshot diff --json OUT A B
     description = (
         "Read a memory snapshot (torch.cuda.memory._dump_snapshot) without running anything"
         " from it, and print what the caching allocator held: per device the bytes"

@@ -617,3 +617,18 @@ def test_the_command_in_process(
         err = capsys.readouterr().err
         assert err.startswith(f"torchmem snapshot: error: {message}"), err
         assert err.count("\n") == 1
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_the_garbage_collector_is_as_it_was(snapshot_file: Path, enabled: bool) -> None:
+    import gc
+
+    (gc.enable if enabled else gc.disable)()
+    try:
+        load_snapshot(snapshot_file)
+        assert gc.isenabled() is enabled
+        with pytest.raises(SnapshotError):
+            Snapshot.from_dict({"segments": 3})
+        assert gc.isenabled() is enabled
+    finally:
+        gc.enable()

@@ -16,12 +16,14 @@ bytes in use when the trace starts follow from that.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import pickle
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, NoReturn
+from typing import IO, Any, NamedTuple, NoReturn
 
 from torchmem.errors import SnapshotError
 from torchmem.records.run import Site
@@ -84,14 +86,28 @@ def load_snapshot(path: str | Path) -> Snapshot:
         OSError: the file cannot be read.
     """
     name = str(path)
-    with Path(path).open("rb") as file:
+    with Path(path).open("rb") as file, _without_gc():
         try:
             data = _Unpickler(file, name).load()
         except SnapshotError:
             raise
         except Exception as exc:  # a damaged pickle fails anywhere in the opcode loop
             raise SnapshotError(f"{name} is not a pickle: {exc}") from None
-    return Snapshot.from_dict(data, name)
+        return Snapshot.from_dict(data, name)
+
+
+@contextlib.contextmanager
+def _without_gc() -> Iterator[None]:
+    """Python's cyclic garbage collector paused (as it was before, after): a snapshot is
+    millions of small containers without cycles, and while they are made the collector
+    would walk them all again and again, which more than doubles the time of a large one."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 @dataclass(frozen=True)
@@ -108,7 +124,8 @@ class Snapshot(SnapshotRecord):
         Raises:
             SnapshotError: `data` is not a snapshot; the message says what is wrong.
         """
-        return cls(_Reader(source).devices(data), source)
+        with _without_gc():
+            return cls(_Reader(source).devices(data), source)
 
     def diff(self, later: Snapshot) -> SnapshotDiff:
         """What changed from this snapshot to `later`: totals and the allocation sites of
@@ -175,14 +192,17 @@ def _sites(sizes: dict[tuple[str, int, str], int]) -> tuple[Site, ...]:
     return tuple(Site(*key, size) for key, size in ordered if size)
 
 
-@dataclass(frozen=True)
-class _Entry:
+class _Entry(NamedTuple):  # a named tuple: made up to a million times per snapshot
     action: str
     address: int
     bytes: int
     time: float
     """Seconds from the trace's first entry."""
-    site: tuple[str, int, str]
+    frames: object
+    """As the snapshot has them: read (:meth:`_Reader.site`) only for the allocations
+    alive at the peak, not for each of a trace's up to a million entries."""
+    where: tuple[int, int]
+    """(entry, device): where the entry is, for an error message."""
     device_free: int | None
 
 
@@ -230,6 +250,11 @@ class _Reader:
         ]
         return next((f for f in read if not _NOT_USER.search(f[0])), read[0])
 
+    def entry_site(self, entry: _Entry) -> tuple[str, int, str]:
+        """The site of a trace entry (:meth:`site` of its frames)."""
+        index, device = entry.where
+        return self.site(entry.frames, f"entry {index} of the trace of device {device}")
+
     def devices(self, data: object) -> dict[int, DeviceSnapshot]:
         if not isinstance(data, dict):
             self.fail(f"it holds a {type(data).__name__}, not a dict")
@@ -259,7 +284,7 @@ class _Reader:
                 _sites(sites.get(index, {})),
             )
             entries = self.trace(traces[index] if index < len(traces) else [], index)
-            found[index] = _replayed(device, entries) if entries else device
+            found[index] = _replayed(device, entries, self.entry_site) if entries else device
         return found
 
     def segment(
@@ -296,6 +321,15 @@ class _Reader:
             tuple(blocks),
         )
 
+    def bad_entry(self, entry: object, where: str) -> NoReturn:
+        """Fail with what is wrong with a trace entry that is not as it should be."""
+        self.field(entry, "action", where, str)
+        self.field(entry, "time_us", where, int, 0)
+        self.field(entry, "addr", where, int, 0)
+        self.field(entry, "size", where, int, 0)
+        self.field(entry, "device_free", where, (int, type(None)))
+        self.fail(f"{where} is not a trace entry")
+
     def trace(self, raw: object, device: int) -> list[_Entry]:
         if not isinstance(raw, list):
             self.fail(f"the trace of device {device} is a {type(raw).__name__}, not a list")
@@ -303,25 +337,42 @@ class _Reader:
         start: int | None = None
         last = 0
         for k, entry in enumerate(raw):
-            where = f"entry {k} of the trace of device {device}"
-            action = self.field(entry, "action", where, str)
-            time_us = self.field(entry, "time_us", where, int, last)
+            # The checks of field(), inline: a trace has up to a million entries.
+            if type(entry) is not dict:
+                self.bad_entry(entry, f"entry {k} of the trace of device {device}")
+            get = entry.get
+            action = get("action")
+            time_us = get("time_us", last)
+            address = get("addr", 0)
+            size = get("size", 0)
+            free = get("device_free")
+            if not (
+                type(action) is str
+                and type(time_us) is int
+                and type(address) is int
+                and type(size) is int
+                and (free is None or type(free) is int)
+            ):
+                self.bad_entry(entry, f"entry {k} of the trace of device {device}")
             start = time_us if start is None else start
             last = time_us
             entries.append(
                 _Entry(
                     action,
-                    self.field(entry, "addr", where, int, 0),
-                    self.field(entry, "size", where, int, 0),
+                    address,
+                    size,
                     (time_us - start) / 1e6,
-                    self.site(entry.get("frames", []), where),
-                    self.field(entry, "device_free", where, (int, type(None))),
+                    get("frames", []),
+                    (k, device),
+                    free,
                 )
             )
         return entries
 
 
-def _replayed(device: DeviceSnapshot, entries: list[_Entry]) -> DeviceSnapshot:
+def _replayed(
+    device: DeviceSnapshot, entries: list[_Entry], site: Callable[[_Entry], tuple[str, int, str]]
+) -> DeviceSnapshot:
     """`device` with the peak, timeline, sites at the peak and OOM of its trace."""
     changes = [e for e in entries if e.action in ("alloc", "free_completed")]
     running = highest = 0
@@ -341,7 +392,8 @@ def _replayed(device: DeviceSnapshot, entries: list[_Entry]) -> DeviceSnapshot:
             live.pop(e.address, None)
     at_peak: dict[tuple[str, int, str], int] = {}
     for e in live.values():
-        at_peak[e.site] = at_peak.get(e.site, 0) + e.bytes
+        key = site(e)
+        at_peak[key] = at_peak.get(key, 0) + e.bytes
     unexplained = base + highest - sum(at_peak.values())
     if unexplained > 0:
         at_peak[(BEFORE_TRACE, 0, "")] = unexplained

@@ -30,6 +30,7 @@ from benchmarks import (
     ranks,
     reporter,
     run as run_command,
+    snapshot,
 )
 from benchmarks.timing import table
 
@@ -56,6 +57,8 @@ class Config:
     """Transformer blocks of the GPT-2-small step in the estimator case."""
     tests: int = 20
     """Tests in the pytest plugin's suite."""
+    snapshot_entries: int = 750_000
+    """Trace entries of the synthetic memory snapshot."""
 
 
 FULL = Config()
@@ -69,6 +72,7 @@ TINY = Config(
     steps=1,
     layers=1,
     tests=2,
+    snapshot_entries=2_000,
 )
 
 
@@ -142,6 +146,10 @@ def sections(config: Config) -> Iterator[str]:
     yield "## 9. torchmem run under torchrun\n\n" + doc(ranks)
     rows = ranks.measure(config.repeat, config.steps)
     yield table(rows) + "\n\n" + ranks.verdicts(rows)
+
+    yield "## 10. Reading a memory snapshot\n\n" + doc(snapshot)
+    rows = snapshot.measure(config.repeat, config.snapshot_entries)
+    yield table(rows) + "\n\n" + snapshot.verdicts(rows)
 
 
 def doc(module: ModuleType) -> str:

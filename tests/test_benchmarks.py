@@ -132,6 +132,7 @@ def test_the_whole_suite_runs_and_writes_its_sections(monkeypatch):
         "## 7. Estimator",
         "## 8. pytest plugin",
         "## 9. torchmem run under torchrun",
+        "## 10. Reading a memory snapshot",
     ]
     assert report.count("Skipped: no CUDA device on this machine.") == 3
     assert "\n".join(shown) + "\n" == report  # each section shown as it was measured
@@ -172,3 +173,19 @@ def test_torchrun_benchmark_runs_and_tabulates():
     assert [name for _, name, _, _ in rows] == ["torchrun", "torchrun -m torchmem run"]
     assert rows[0][3] == 1.0
     assert ranks.verdicts(rows).startswith("- torchrun -m torchmem run: ")
+
+
+def test_snapshot_benchmark_runs_and_tabulates():
+    from benchmarks import snapshot
+
+    data = snapshot.synthetic(1000)
+    assert len(data["device_traces"][0]) >= 1000
+    rows = snapshot.measure(repeat=1, entries=1000)
+    assert [name.split(" ")[0] for _, name, _, _ in rows] == [
+        "pickle.load",
+        "torchmem.load_snapshot",
+    ]
+    assert rows[0][3] == 1.0
+    assert snapshot.verdicts(rows).startswith(
+        "- torchmem.load_snapshot (plain data only, analysed): "
+    )

@@ -8,12 +8,10 @@ waits for the others' reports and prints the table)."""
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
-import time
 from pathlib import Path
 
-from benchmarks.timing import Row
+from benchmarks.timing import Row, command_medians, ratio_verdicts, rows
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "ddp.py"
 RANKS = 2
@@ -35,22 +33,11 @@ def commands(steps: int) -> dict[str, list[str]]:
 def measure(repeat: int, steps: int) -> list[Row]:
     """Median wall seconds of each job, `repeat` rounds, alternating."""
     environ = {**os.environ, "OMP_NUM_THREADS": "1"}
-    found: dict[str, list[float]] = {name: [] for name in commands(steps)}
-    for _ in range(repeat):
-        for name, command in commands(steps).items():
-            start = time.perf_counter()
-            subprocess.run(command, check=True, capture_output=True, env=environ)
-            found[name].append(time.perf_counter() - start)
-    medians = {name: sorted(times)[len(times) // 2] for name, times in found.items()}
+    medians = command_medians(commands(steps), repeat, environ)
     case = f"examples/ddp.py --steps {steps}, {RANKS} ranks"
-    return [(case, name, t, t / medians["torchrun"]) for name, t in medians.items()]
+    return rows(case, list(medians), medians, "torchrun")
 
 
-def verdicts(rows: list[Row]) -> str:
+def verdicts(found: list[Row]) -> str:
     """One line per target: the ratio reached, met or missed."""
-    lines = []
-    for _, name, _, ratio in rows:
-        if name in TARGETS and ratio is not None:
-            verdict = "met" if ratio <= TARGETS[name] else "missed"
-            lines.append(f"- {name}: {ratio:.2f}x (target {TARGETS[name]}x: {verdict})")
-    return "\n".join(lines)
+    return ratio_verdicts(found, TARGETS)

@@ -6,12 +6,10 @@ most 2x with them (the default)."""
 
 from __future__ import annotations
 
-import subprocess
 import sys
-import time
 from pathlib import Path
 
-from benchmarks.timing import Row
+from benchmarks.timing import Row, command_medians, ratio_verdicts, rows
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "train.py"
 TARGETS = {"torchmem run --no-sites": 1.2, "torchmem run": 2.0}
@@ -31,22 +29,11 @@ def commands(steps: int) -> dict[str, list[str]]:
 
 def measure(repeat: int, steps: int) -> list[Row]:
     """Median wall seconds of each command, `repeat` rounds, alternating."""
-    found: dict[str, list[float]] = {name: [] for name in commands(steps)}
-    for _ in range(repeat):
-        for name, command in commands(steps).items():
-            start = time.perf_counter()
-            subprocess.run(command, check=True, capture_output=True)
-            found[name].append(time.perf_counter() - start)
-    medians = {name: sorted(times)[len(times) // 2] for name, times in found.items()}
+    medians = command_medians(commands(steps), repeat)
     case = f"examples/train.py --steps {steps}"
-    return [(case, name, t, t / medians["python"]) for name, t in medians.items()]
+    return rows(case, list(medians), medians, "python")
 
 
-def verdicts(rows: list[Row]) -> str:
+def verdicts(found: list[Row]) -> str:
     """One line per target: the ratio reached, met or missed."""
-    lines = []
-    for _, name, _, ratio in rows:
-        if name in TARGETS and ratio is not None:
-            verdict = "met" if ratio <= TARGETS[name] else "missed"
-            lines.append(f"- {name}: {ratio:.2f}x (target {TARGETS[name]}x: {verdict})")
-    return "\n".join(lines)
+    return ratio_verdicts(found, TARGETS)

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.timing import Row
+from benchmarks.timing import Row, ratio_verdicts
 
 TARGET = 2.0
 
@@ -117,9 +117,6 @@ def measure(repeat: int, entries: int) -> list[Row]:
     return [(case, name, t, t / base) for name, t in medians.items()]
 
 
-def verdicts(rows: list[Row]) -> str:
+def verdicts(found: list[Row]) -> str:
     """The loader's ratio to pickle.load, met or missed."""
-    _, name, _, ratio = rows[-1]
-    assert ratio is not None
-    verdict = "met" if ratio <= TARGET else "missed"
-    return f"- {name}: {ratio:.2f}x pickle.load (target {TARGET}x: {verdict})"
+    return ratio_verdicts(found, {found[-1][1]: TARGET})

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import statistics
+import subprocess
 import time
 from collections.abc import Callable, Mapping
 
@@ -55,4 +56,28 @@ def table(rows: list[Row]) -> str:
             lines.append(f"| {case} | {name} | not installed | - |")
         else:
             lines.append(f"| {case} | {name} | {median * 1e3:.2f} ms | {ratio:.2f}x |")
+    return "\n".join(lines)
+
+
+def command_medians(
+    commands: Mapping[str, list[str]], repeat: int, env: Mapping[str, str] | None = None
+) -> dict[str, float]:
+    """Median wall seconds of each command, run to its end in a new process (Python's
+    start and ``import torch`` included), contenders alternating, `repeat` rounds."""
+    times: dict[str, list[float]] = {name: [] for name in commands}
+    for _ in range(repeat):
+        for name, command in commands.items():
+            start = time.perf_counter()
+            subprocess.run(command, check=True, capture_output=True, env=env)
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(samples) for name, samples in times.items()}
+
+
+def ratio_verdicts(rows: list[Row], targets: Mapping[str, float]) -> str:
+    """One line per contender with a target: its ratio, and whether it met the target."""
+    lines = []
+    for _, name, _, ratio in rows:
+        if name in targets and ratio is not None:
+            verdict = "met" if ratio <= targets[name] else "missed"
+            lines.append(f"- {name}: {ratio:.2f}x (target {targets[name]}x: {verdict})")
     return "\n".join(lines)

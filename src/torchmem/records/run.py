@@ -30,6 +30,14 @@ class Site:
     bytes: int
     """Bytes allocated there and alive at the peak."""
 
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "file": self.file,
+            "line": self.line,
+            "function": self.function,
+            "bytes": self.bytes,
+        }
+
 
 @dataclass(frozen=True)
 class Held:
@@ -140,7 +148,7 @@ class RunRecord:
             "duration_s": self.duration,
             "main_device": self.main_device,
             "devices": {name: _device_json(run) for name, run in self.devices.items()},
-            "sites_at_peak": [_site_json(s) for s in main.sites_at_peak] if main else [],
+            "sites_at_peak": [s.to_json() for s in main.sites_at_peak] if main else [],
             "largest_at_peak": [_held_json(h) for h in main.largest_at_peak] if main else [],
             "modules": [
                 {
@@ -195,10 +203,6 @@ class RunRecord:
             raise ValueError(f"not a torchmem run report: {type(exc).__name__}: {exc}") from None
 
 
-def _site_json(site: Site) -> dict[str, Any]:
-    return {"file": site.file, "line": site.line, "function": site.function, "bytes": site.bytes}
-
-
 def _held_json(held: Held) -> dict[str, Any]:
     return {
         "name": held.name,
@@ -220,7 +224,7 @@ def _device_json(run: DeviceRun) -> dict[str, Any]:
         "exact": run.exact,
         "categories_at_peak": run.categories_at_peak,
         "categories_at_end": run.categories_at_end,
-        "sites_at_peak": [_site_json(s) for s in run.sites_at_peak],
+        "sites_at_peak": [s.to_json() for s in run.sites_at_peak],
         "largest_at_peak": [_held_json(h) for h in run.largest_at_peak],
     }
 

@@ -195,10 +195,6 @@ class SnapshotDiffRecord:
         }
 
 
-def _site_json(site: Site) -> dict[str, Any]:
-    return {"file": site.file, "line": site.line, "function": site.function, "bytes": site.bytes}
-
-
 def _device_json(device: DeviceSnapshot) -> dict[str, Any]:
     oom = device.oom
     return {
@@ -209,8 +205,8 @@ def _device_json(device: DeviceSnapshot) -> dict[str, Any]:
         "peak_bytes": device.peak_bytes,
         "peak_time_s": device.peak_time,
         "duration_s": device.duration,
-        "sites": [_site_json(s) for s in device.sites],
-        "sites_at_peak": [_site_json(s) for s in device.sites_at_peak],
+        "sites": [s.to_json() for s in device.sites],
+        "sites_at_peak": [s.to_json() for s in device.sites_at_peak],
         "segments": [
             {
                 "address": s.address,

@@ -79,26 +79,23 @@ def job(tmp_path: Path) -> Path:
     return tmp_path
 
 
+def torchmem_job(
+    tmp_path: Path, *options: str, ranks: int = 2, env: dict[str, str] | None = None
+) -> tuple[int, str, str]:
+    """``torchrun --standalone --nproc-per-node=RANKS -m torchmem run OPTIONS job.py``, run
+    to its end in `tmp_path`: its exit code, stdout and stderr."""
+    words = ["--standalone", f"--nproc-per-node={ranks}", "-m", "torchmem", "run", *options]
+    return finished(torchrun(*words, "job.py", cwd=job(tmp_path), env=env))
+
+
 def peaks(report: dict) -> list[int]:
     return [rank["devices"][rank["main_device"]]["peak_bytes"] for rank in report["ranks"]]
 
 
 @pytest.mark.parametrize("ranks", [2, 4])
 def test_rank_zero_prints_every_ranks_peak(tmp_path: Path, ranks: int) -> None:
-    code, _, err = finished(
-        torchrun(
-            "--standalone",
-            f"--nproc-per-node={ranks}",
-            "-m",
-            "torchmem",
-            "run",
-            "--json",
-            "ranks.json",
-            "--snapshot",
-            "memory.pickle",
-            "job.py",
-            cwd=job(tmp_path),
-        )
+    code, _, err = torchmem_job(
+        tmp_path, "--json", "ranks.json", "--snapshot", "memory.pickle", ranks=ranks
     )
     assert code == 0, err
     report = json.loads((tmp_path / "ranks.json").read_text())
@@ -118,20 +115,7 @@ def test_rank_zero_prints_every_ranks_peak(tmp_path: Path, ranks: int) -> None:
 
 
 def test_a_rank_that_raises_fails_the_job_and_the_others_still_report(tmp_path: Path) -> None:
-    code, _, err = finished(
-        torchrun(
-            "--standalone",
-            "--nproc-per-node=2",
-            "-m",
-            "torchmem",
-            "run",
-            "--json",
-            "ranks.json",
-            "job.py",
-            cwd=job(tmp_path),
-            env={"RAISE": "1"},
-        )
-    )
+    code, _, err = torchmem_job(tmp_path, "--json", "ranks.json", env={"RAISE": "1"})
     assert code != 0
     assert 'raise ValueError(f"boom on rank {rank}")' in err  # the rank's own traceback
     assert "ValueError: boom on rank 1" in err
@@ -143,20 +127,7 @@ def test_a_rank_that_raises_fails_the_job_and_the_others_still_report(tmp_path: 
 
 
 def test_a_rank_that_fails_while_the_others_wait_for_it_reports_itself(tmp_path: Path) -> None:
-    code, _, err = finished(
-        torchrun(
-            "--standalone",
-            "--nproc-per-node=2",
-            "-m",
-            "torchmem",
-            "run",
-            "--json",
-            "ranks.json",
-            "job.py",
-            cwd=job(tmp_path),
-            env={"STUCK": "1"},
-        )
-    )
+    code, _, err = torchmem_job(tmp_path, "--json", "ranks.json", env={"STUCK": "1"})
     assert code != 0
     assert "MemoryError: out of memory on rank 1" in err
     assert "Rank 0 sent no report: it died, or had not finished by then." in err
@@ -171,20 +142,7 @@ def test_a_rank_that_fails_while_the_others_wait_for_it_reports_itself(tmp_path:
 
 
 def test_a_rank_that_dies_is_reported_missing(tmp_path: Path) -> None:
-    code, _, err = finished(
-        torchrun(
-            "--standalone",
-            "--nproc-per-node=2",
-            "-m",
-            "torchmem",
-            "run",
-            "--json",
-            "ranks.json",
-            "job.py",
-            cwd=job(tmp_path),
-            env={"DIE": "1"},
-        )
-    )
+    code, _, err = torchmem_job(tmp_path, "--json", "ranks.json", env={"DIE": "1"})
     assert code != 0
     assert "Rank 1 sent no report: it died, or had not finished by then." in err
     report = json.loads((tmp_path / "ranks.json").read_text())
@@ -295,20 +253,7 @@ def test_gather_reports_inside_a_training_script(tmp_path: Path) -> None:
 
 @pytest.mark.cuda
 def test_two_ranks_sharing_one_cuda_gpu(tmp_path: Path) -> None:
-    code, _, err = finished(
-        torchrun(
-            "--standalone",
-            "--nproc-per-node=2",
-            "-m",
-            "torchmem",
-            "run",
-            "--json",
-            "ranks.json",
-            "job.py",
-            cwd=job(tmp_path),
-            env={"DEVICE": "cuda:0"},
-        )
-    )
+    code, _, err = torchmem_job(tmp_path, "--json", "ranks.json", env={"DEVICE": "cuda:0"})
     assert code == 0, err
     print(err)
     report = json.loads((tmp_path / "ranks.json").read_text())

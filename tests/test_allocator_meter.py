@@ -369,6 +369,23 @@ def test_a_reset_of_another_device_folds_only_that_device(cuda: CudaStandIn) -> 
         assert torch.cuda.max_memory_allocated(0) == 3 * MiB  # device 0 was not reset
 
 
+def test_a_failure_of_ours_never_replaces_the_callers_reset(cuda: CudaStandIn) -> None:
+    m = meter("cuda:0")
+
+    def broken() -> None:
+        raise RuntimeError("the stats are gone")
+
+    with m.window():
+        cuda.spike(0, 6 * MiB)
+        m._fold = broken  # type: ignore[method-assign]
+        try:
+            with pytest.warns(TorchmemWarning, match="the stats are gone"):
+                torch.cuda.reset_peak_memory_stats(0)  # returns, as PyTorch's does
+        finally:
+            del m._fold
+        assert torch.cuda.max_memory_allocated(0) == 0  # the caller's reset happened
+
+
 def test_the_interceptor_is_there_only_while_a_window_is_open(cuda: CudaStandIn) -> None:
     m0, m1 = meter("cuda:0"), meter("cuda:1")
     assert torch._C._cuda_resetPeakMemoryStats == allocator_reset(cuda)

@@ -192,10 +192,18 @@ def _fold_before_reset(kind: str, device: object, reset: Callable[[Any], Any]) -
         meters = [m for m in _watching.get(kind, ()) if _device_index(kind, m._index) == index]
     with contextlib.ExitStack() as held:
         try:
-            for meter in sorted(meters, key=id):
-                held.enter_context(meter._lock)
-                meter._collect()
-                meter._fold()
+            try:
+                for meter in sorted(meters, key=id):
+                    held.enter_context(meter._lock)
+                    meter._collect()
+                    meter._fold()
+            except Exception as exc:  # ours must not replace what the caller's reset does
+                warnings.warn(
+                    f"torchmem could not read the peak counters of {kind} before other code"
+                    f" reset them ({exc}): open windows may miss the peak before the reset",
+                    TorchmemWarning,
+                    stacklevel=4,
+                )
         finally:  # the caller's reset happens whatever folding did
             result = reset(device)
             for meter in meters:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import traceback
@@ -169,9 +170,11 @@ def _execute(
         tb = _user_frames(exc.__traceback__)
         sys.excepthook(type(exc), exc.with_traceback(tb), tb)
         if os.environ.get("TORCHELASTIC_ERROR_FILE"):
-            from torch.distributed.elastic.multiprocessing.errors import get_error_handler
+            # Only a courtesy to torchrun's summary: it must not replace the script's error.
+            with contextlib.suppress(ImportError, OSError):
+                from torch.distributed.elastic.multiprocessing.errors import get_error_handler
 
-            get_error_handler().record_exception(exc)
+                get_error_handler().record_exception(exc)
         error = traceback.format_exception_only(exc)[-1].strip()
         return 130 if isinstance(exc, KeyboardInterrupt) else 1, error
     finally:

@@ -365,13 +365,14 @@ def _svg(run: DeviceRun, width: int, height: int, standalone: bool, until: float
     return "".join(parts) + "</svg>"
 
 
-def svg(run: DeviceRun, width: int = 720, height: int = 180) -> str:
+def svg(run: DeviceRun, width: int = 720, height: int = 180, *, inline: bool = False) -> str:
     """A standalone SVG chart of a device's timeline: bytes in use over seconds, each
     interval's exact peak drawn as a step, the run's peak marked with a dot and labelled.
 
     Pure markup, no scripts, fonts or files fetched; `width` and `height` in pixels.
+    `inline` leaves out the SVG namespace, which a chart inside an HTML page does not need.
     """
-    return _svg(run, width, height, standalone=True)
+    return _svg(run, width, height, standalone=not inline)
 
 
 # -- HTML --------------------------------------------------------------------------------

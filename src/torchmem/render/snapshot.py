@@ -166,8 +166,7 @@ def _timeline_svg(device: DeviceSnapshot) -> str:
         device.active_bytes,
         device.timeline,
     )
-    # Inside an HTML page an SVG needs no namespace, and the page names no address.
-    return svg(run).replace(' xmlns="http://www.w3.org/2000/svg"', "", 1)
+    return svg(run, inline=True)  # inside a page: no namespace, so the page names no address
 
 
 def segment_map(device: DeviceSnapshot, top: int = 10, width: int = 720) -> str:

@@ -6,23 +6,31 @@ It follows ``c10/cuda/CUDACachingAllocator.cpp`` with its default settings:
 - requests of at most 1 MiB come from the small pool, larger ones from the large pool;
 - a request no cached block can serve reserves a new segment: 2 MiB for the small pool,
   20 MiB for requests under 10 MiB, else the request rounded up to 2 MiB;
-- the free block chosen is the smallest one large enough (best fit; on a tie the lowest
-  address), and it is split when what remains is at least 512 bytes (small pool) or more
-  than 1 MiB (large pool); otherwise the whole block is allocated and counted as allocated;
+- the free block chosen is the smallest one of the request's stream large enough (best
+  fit; on a tie the lowest address: the pools are ordered by (stream, size, address)),
+  and it is split, the request at its start, when what remains is at least 512 bytes
+  (small pool) or more than 1 MiB (large pool); otherwise the whole block is allocated
+  and counted as allocated;
 - a freed block merges with the free blocks beside it in its segment;
 - where a new segment would exceed the memory there is, every wholly free segment is
   released first (``release_cached_blocks``), and only then is it out of memory;
 - with ``expandable_segments:True`` each pool is one segment that grows at its end in
   pages of 2 MiB (small pool) or 20 MiB (large pool) as needed.
 
-One stream is assumed (a training step's work runs on the current stream).
+A segment's address is the driver's choice; the model numbers its own segments from
+2**40 unless told otherwise (:mod:`torchmem.estimator.replay` gives it the addresses a
+real trace recorded). Every block of a large pool is larger than 1 MiB (requests are,
+and so is every remainder split off): :func:`block_bytes` uses that to tell a block's
+size from the addresses around it.
 """
 
 from __future__ import annotations
 
 import bisect
 import os
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 MIN_BLOCK = 512
 SMALL_SIZE = 2**20
@@ -35,6 +43,8 @@ size when segments are expandable."""
 MIN_LARGE_ALLOC = 10 * 2**20
 ROUND_LARGE = 2 * 2**20
 """Segments for requests of at least :data:`MIN_LARGE_ALLOC` are rounded up to this."""
+FIRST_ADDRESS = 1 << 40
+"""Where the model places its own segments when no driver says where."""
 
 
 def round_size(nbytes: int) -> int:
@@ -51,6 +61,22 @@ def segment_size(nbytes: int) -> int:
     if nbytes < MIN_LARGE_ALLOC:
         return LARGE_BUFFER
     return -(-nbytes // ROUND_LARGE) * ROUND_LARGE
+
+
+def splits(size: int, remaining: int) -> bool:
+    """Whether a free block is split when a (rounded) request of `size` bytes takes it and
+    `remaining` bytes would be left (not expandable)."""
+    return remaining >= MIN_BLOCK if size <= SMALL_SIZE else remaining > SMALL_SIZE
+
+
+def block_bytes(request: int, room: int) -> int:
+    """The size of the block of a request of `request` bytes (as the trace records it)
+    that starts a free stretch of `room` bytes (up to the next block in use, or the end of
+    the segment): the request rounded, or the whole stretch where the rest would be too
+    small to split off. Where `room` is smaller than the rounded request (the addresses
+    are not known well enough), the request rounded."""
+    size = round_size(request)
+    return room if size <= room and not splits(size, room - size) else size
 
 
 def expandable_segments(conf: str | None = None) -> bool:
@@ -74,6 +100,20 @@ class OutOfMemory(Exception):
         self.event = event
 
 
+class Layout(NamedTuple):
+    """A segment and the blocks in use in it; the rest of it is free."""
+
+    address: int
+    size: int
+    """Bytes."""
+    stream: int
+    small: bool
+    """Whether it belongs to the small pool."""
+    used: tuple[tuple[int, int], ...]
+    """(address, bytes) of each block in use (allocated, or freed but pending), in address
+    order."""
+
+
 @dataclass(eq=False)
 class _Block:
     address: int
@@ -84,17 +124,19 @@ class _Block:
     prev: _Block | None = None
     next: _Block | None = None
 
-    def key(self) -> tuple[int, int]:
-        return (self.size, self.address)
+    def key(self) -> tuple[int, int, int]:
+        return (self.segment.stream, self.size, self.address)
 
 
 @dataclass(eq=False)
 class _Segment:
     address: int
     size: int
+    stream: int = 0
     expandable: bool = False
     blocks: int = 1
     """Blocks the segment is split into."""
+    first: _Block | None = field(default=None, repr=False)
     last: _Block | None = field(default=None, repr=False)
     """Expandable segments: the block at the end."""
 
@@ -116,26 +158,29 @@ class CachingAllocator:
         """Bytes of segments (``memory_reserved()``)."""
         self.allocated_peak = 0
         self.reserved_peak = 0
-        self._free: dict[bool, list[tuple[int, int]]] = {True: [], False: []}
-        self._blocks: dict[tuple[int, int], _Block] = {}
-        self._segments: list[_Segment] = []
+        self._free: dict[bool, list[tuple[int, int, int]]] = {True: [], False: []}
+        self._blocks: dict[tuple[int, int, int], _Block] = {}
+        self._segments: dict[int, _Segment] = {}
         self._growing: dict[bool, _Segment] = {}
-        self._next_address = 1 << 40
+        self._next_address = FIRST_ADDRESS
         self._event = 0
+        self.driver: Callable[[int, int], int] = self._own_address
+        """Where a new segment of (bytes, stream) goes: the device driver's choice."""
 
     # Requests ------------------------------------------------------------------------
 
-    def malloc(self, nbytes: int) -> _Block:
-        """Serve a request of `nbytes`; the block it returns is what ``free`` takes."""
+    def malloc(self, nbytes: int, stream: int = 0) -> _Block:
+        """Serve a request of `nbytes` on `stream`; the block it returns is what ``free``
+        takes."""
         self._event += 1
         size = round_size(nbytes)
         small = size <= SMALL_SIZE
-        block = self._best_fit(size, small)
+        block = self._best_fit(size, small, stream)
         if block is None:
-            block = self._grow(size, small)
+            block = self._grow(size, small, stream)
         self._take(block)
         remaining = block.size - size
-        if remaining >= MIN_BLOCK if small else remaining > SMALL_SIZE:
+        if remaining >= MIN_BLOCK if small or self.expandable else remaining > SMALL_SIZE:
             rest = _Block(block.address + size, remaining, block.segment, small)
             rest.prev, rest.next = block, block.next
             if block.next is not None:
@@ -151,7 +196,8 @@ class CachingAllocator:
         return block
 
     def free(self, block: _Block) -> None:
-        """Return `block` to its pool, merged with its free neighbours."""
+        """Return `block` to its pool, merged with its free neighbours (so its size, read
+        afterwards, is the merged block's)."""
         block.allocated = False
         self.allocated -= block.size
         for neighbour in (block.prev, block.next):
@@ -163,6 +209,8 @@ class CachingAllocator:
                     block.prev = neighbour.prev
                     if neighbour.prev is not None:
                         neighbour.prev.next = block
+                    else:
+                        block.segment.first = block
                 else:
                     block.next = neighbour.next
                     if neighbour.next is not None:
@@ -171,6 +219,63 @@ class CachingAllocator:
                         block.segment.last = block
                 block.size += neighbour.size
         self._put(block)
+
+    # Segments ------------------------------------------------------------------------
+
+    def adopt(self, layout: Layout) -> list[_Block]:
+        """Take over a segment reserved before the model started, with the blocks in use
+        in it (counted as allocated); returns those blocks, in address order."""
+        segment = _Segment(layout.address, layout.size, layout.stream, blocks=0)
+        self._segments[segment.address] = segment
+        self.reserved += segment.size
+        self.reserved_peak = max(self.reserved_peak, self.reserved)
+        used, at, prev = [], segment.address, None
+        end = segment.address + segment.size
+        for address, size in [*layout.used, (end, 0)]:
+            for start, nbytes, allocated in ((at, address - at, False), (address, size, True)):
+                if nbytes <= 0:
+                    continue
+                block = _Block(start, nbytes, segment, layout.small, allocated, prev)
+                if prev is None:
+                    segment.first = block
+                else:
+                    prev.next = block
+                prev = segment.last = block
+                segment.blocks += 1
+                if allocated:
+                    used.append(block)
+                    self.allocated += nbytes
+                else:
+                    self._put(block)
+            at = address + size
+        self.allocated_peak = max(self.allocated_peak, self.allocated)
+        return used
+
+    def release(self, address: int) -> bool:
+        """Release the segment at `address` (``empty_cache``) if it is wholly free; whether
+        it was."""
+        segment = self._segments.get(address)
+        block = segment.first if segment is not None else None
+        if segment is None or block is None or segment.blocks != 1 or block.allocated:
+            return False
+        self._take(block)
+        del self._segments[address]
+        self.reserved -= segment.size
+        return True
+
+    def layout(self) -> list[Layout]:
+        """Every segment (expandable ones included) with its blocks in use, by address."""
+        found = []
+        for address in sorted(self._segments):
+            segment = self._segments[address]
+            used, block = [], segment.first
+            small = block.small if block is not None else segment.size == SMALL_BUFFER
+            while block is not None:
+                if block.allocated:
+                    used.append((block.address, block.size))
+                block = block.next
+            found.append(Layout(address, segment.size, segment.stream, small, tuple(used)))
+        return found
 
     # Pools ---------------------------------------------------------------------------
 
@@ -185,33 +290,38 @@ class CachingAllocator:
         del pool[bisect.bisect_left(pool, key)]
         del self._blocks[key]
 
-    def _best_fit(self, size: int, small: bool) -> _Block | None:
+    def _best_fit(self, size: int, small: bool, stream: int) -> _Block | None:
         pool = self._free[small]
-        at = bisect.bisect_left(pool, (size, 0))
-        return self._blocks[pool[at]] if at < len(pool) else None
+        at = bisect.bisect_left(pool, (stream, size, 0))
+        return self._blocks[pool[at]] if at < len(pool) and pool[at][0] == stream else None
 
-    def _grow(self, size: int, small: bool) -> _Block:
+    def _own_address(self, nbytes: int, stream: int) -> int:
+        address = self._next_address
+        self._next_address += nbytes
+        return address
+
+    def _grow(self, size: int, small: bool, stream: int) -> _Block:
         """Reserve memory for a request no free block serves: a new segment, or more pages
         at the end of the pool's expandable segment."""
         if self.expandable:
-            return self._expand(size, small)
+            return self._expand(size, small, stream)
         nbytes = segment_size(size)
         self._reserve(nbytes, size)
-        segment = _Segment(self._next_address, nbytes)
-        self._next_address += nbytes
-        self._segments.append(segment)
+        segment = _Segment(self.driver(nbytes, stream), nbytes, stream)
+        self._segments[segment.address] = segment
         block = _Block(segment.address, nbytes, segment, small)
+        segment.first = segment.last = block
         self._put(block)
         return block
 
-    def _expand(self, size: int, small: bool) -> _Block:
+    def _expand(self, size: int, small: bool, stream: int) -> _Block:
         page = SMALL_BUFFER if small else LARGE_BUFFER
         segment = self._growing.get(small)
         if segment is None:
-            segment = self._growing[small] = _Segment(self._next_address, 0, expandable=True)
+            address = self._next_address
+            segment = self._growing[small] = _Segment(address, 0, stream, True, blocks=0)
             self._next_address += 1 << 40  # room to grow
-            self._segments.append(segment)
-            segment.blocks = 0
+            self._segments[address] = segment
         tail = segment.last
         have = tail.size if tail is not None and not tail.allocated else 0
         nbytes = -(-(size - have) // page) * page
@@ -227,6 +337,8 @@ class CachingAllocator:
         block = _Block(end, nbytes, segment, small, prev=tail)
         if tail is not None:
             tail.next = block
+        else:
+            segment.first = block
         segment.last = block
         segment.blocks += 1
         self._put(block)
@@ -242,29 +354,37 @@ class CachingAllocator:
 
     def _release_cached(self) -> None:
         """Release every wholly free segment (expandable: the free pages at its end)."""
-        for segment in list(self._segments):
-            if segment.expandable:
-                tail = segment.last
-                if tail is None or tail.allocated:
-                    continue
-                page = SMALL_BUFFER if tail.small else LARGE_BUFFER
-                released = tail.size // page * page
-                if not released:
-                    continue
-                self._take(tail)
-                tail.size -= released
-                segment.size -= released
-                self.reserved -= released
-                if tail.size:
-                    self._put(tail)
+        for segment in list(self._segments.values()):
+            if not segment.expandable:
+                self.release(segment.address)
+                continue
+            tail = segment.last
+            if tail is None or tail.allocated:
+                continue
+            page = SMALL_BUFFER if tail.small else LARGE_BUFFER
+            released = tail.size // page * page
+            if not released:
+                continue
+            self._take(tail)
+            tail.size -= released
+            segment.size -= released
+            self.reserved -= released
+            if tail.size:
+                self._put(tail)
+            else:
+                segment.last = tail.prev
+                segment.blocks -= 1
+                if tail.prev is not None:
+                    tail.prev.next = None
                 else:
-                    segment.last = tail.prev
-                    segment.blocks -= 1
-                    if tail.prev is not None:
-                        tail.prev.next = None
-            elif segment.blocks == 1:
-                block = self._blocks.get((segment.size, segment.address))
-                if block is not None and block.segment is segment and not block.allocated:
-                    self._take(block)
-                    self._segments.remove(segment)
-                    self.reserved -= segment.size
+                    segment.first = None
+
+
+def adopted(layouts: Iterable[Layout]) -> tuple[CachingAllocator, dict[int, _Block]]:
+    """A model holding `layouts` (segments reserved before it started), and its blocks in
+    use by address."""
+    allocator = CachingAllocator()
+    used: dict[int, _Block] = {}
+    for layout in layouts:
+        used.update((b.address, b) for b in allocator.adopt(layout))
+    return allocator, used

@@ -352,8 +352,9 @@ def test_a_long_trace_keeps_at_most_2000_exact_intervals() -> None:
 
 
 def test_a_site_is_the_innermost_frame_of_the_users_code() -> None:
-    """PyTorch, Python's standard library and C++ frames are skipped, by their paths on
-    the machine that took the snapshot; installed packages are the user's code."""
+    """PyTorch, Python's standard library, installed packages and C++ frames are passed
+    over, by their paths on the machine that took the snapshot; without a user frame, the
+    innermost installed package's frame, else the innermost Python frame, names it."""
     frames = [
         frame("??", 0, "c10::cuda::CUDACachingAllocator::malloc"),
         frame("/opt/conda/lib/python3.10/site-packages/torch/nn/modules/linear.py", 125, "f"),
@@ -364,13 +365,13 @@ def test_a_site_is_the_innermost_frame_of_the_users_code() -> None:
     ]
     block = {"size": 512, "requested_size": 512, "state": "active_allocated", "frames": frames}
     data = {"segments": [{"address": 0, "total_size": 512, "blocks": [block]}]}
-    assert Snapshot.from_dict(data).devices[0].sites == (
-        Site("/opt/conda/lib/python3.10/site-packages/mylib/layers.py", 3, "build", 512),
-    )
+    python = tuple((f["filename"], f["line"], f["name"]) for f in frames if f["line"])
+    (site,) = Snapshot.from_dict(data).devices[0].sites
+    assert (site, site.stack) == (Site("/home/me/train.py", 5, "<module>", 512), python)
+    block["frames"] = frames[:5]
+    assert Snapshot.from_dict(data).devices[0].sites == (Site(*python[2], 512),)
     block["frames"] = frames[:4]
-    assert Snapshot.from_dict(data).devices[0].sites == (
-        Site("??", 0, "c10::cuda::CUDACachingAllocator::malloc", 512),
-    )
+    assert Snapshot.from_dict(data).devices[0].sites == (Site(*python[0], 512),)
 
 
 def test_pytorchs_own_reader_takes_the_hand_built_snapshot() -> None:

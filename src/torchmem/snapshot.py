@@ -19,13 +19,13 @@ from __future__ import annotations
 import contextlib
 import gc
 import pickle
-import re
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, NamedTuple, NoReturn
 
 from torchmem.errors import SnapshotError
+from torchmem.records.frames import Frame, SiteKey, stack_site
 from torchmem.records.run import Site
 from torchmem.records.snapshot import (
     DEVICE_NAMES,
@@ -46,14 +46,6 @@ NO_FRAMES = "<no frames>"
 """The site of an allocation recorded without a Python stack (PyTorch's own threads)."""
 BEFORE_TRACE = "<before the trace>"
 """The site of the bytes allocated before the trace's first entry."""
-
-_NOT_USER = re.compile(
-    r"[/\\](torch|torchmem)[/\\]"  # PyTorch, torchmem
-    r"|[/\\]lib[/\\]python3\.\d+[/\\](?!site-packages|dist-packages)|[/\\]Lib[/\\](?!site-)"
-    r"|^<frozen |\.(c|cc|cpp|cu|cuh|h|hpp|so)$|^(\?\?)?$"  # frozen modules, C++ frames
-)
-"""Files that are not the user's code, by their path alone: the snapshot may come from
-another machine, so the paths of this one's installation say nothing."""
 
 
 class _Unpickler(pickle.Unpickler):
@@ -188,8 +180,9 @@ def _site_bytes(snapshot: SnapshotRecord) -> dict[tuple[str, int, str], int]:
 
 
 def _sites(sizes: dict[tuple[str, int, str], int]) -> tuple[Site, ...]:
+    """Sites, largest first, with the stack their keys carry (:class:`SiteKey`)."""
     ordered = sorted(sizes.items(), key=lambda item: item[1], reverse=True)
-    return tuple(Site(*key, size) for key, size in ordered if size)
+    return tuple(Site(*key, size, getattr(key, "stack", ())) for key, size in ordered if size)
 
 
 class _Entry(NamedTuple):  # a named tuple: made up to a million times per snapshot
@@ -211,6 +204,9 @@ class _Reader:
 
     def __init__(self, source: str) -> None:
         self.source = source or "the snapshot"
+        # By id(): the snapshot's lists and dicts live as long as the reader reads them.
+        self._picked: dict[int, SiteKey] = {}
+        self._frames: dict[int, Frame] = {}
 
     def fail(self, why: str) -> NoReturn:
         raise SnapshotError(f"{self.source} is not a memory snapshot: {why}")
@@ -235,20 +231,29 @@ class _Reader:
         return self.field(entry, key, where, list, [])  # type: ignore[no-any-return]
 
     def site(self, frames: object, where: str) -> tuple[str, int, str]:
-        """The innermost frame of the user's code, else the innermost frame."""
+        """The site of an allocation's frames (:func:`torchmem.records.frames.stack_site`), as a
+        key that carries its Python stack. A snapshot shares its frame dicts (hundreds for
+        millions of frames) and many of its lists: each is checked and read once."""
+        picked = self._picked.get(id(frames))
+        if picked is not None:
+            return picked
         if not isinstance(frames, list):
             self.fail(f"{where} has bad frames")
         if not frames:
             return NO_FRAMES, 0, ""
-        read = [
-            (
-                self.field(f, "filename", where, str),
-                self.field(f, "line", where, int),
-                self.field(f, "name", where, str),
-            )
-            for f in frames
-        ]
-        return next((f for f in read if not _NOT_USER.search(f[0])), read[0])
+        read = self._frames
+        listed = []
+        for f in frames:
+            frame = read.get(id(f))
+            if frame is None:
+                frame = read[id(f)] = (
+                    self.field(f, "filename", where, str),
+                    self.field(f, "line", where, int),
+                    self.field(f, "name", where, str),
+                )
+            listed.append(frame)
+        key = self._picked[id(frames)] = SiteKey(*stack_site(listed))
+        return key
 
     def entry_site(self, entry: _Entry) -> tuple[str, int, str]:
         """The site of a trace entry (:meth:`site` of its frames)."""

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from torchmem.records.frames import Stack
+
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "other")
 """What a byte can be, in the order reports list them. A storage that is several things
 (a weight autograd saved for backward) counts as the first of them."""
@@ -17,18 +19,23 @@ CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "othe
 
 @dataclass(frozen=True)
 class Site:
-    """A source line whose allocations were alive at the peak."""
+    """A source line whose allocations were alive at the peak: the innermost frame of the
+    user's own code (see :mod:`torchmem.records.frames`)."""
 
     file: str
     """The source file; ``<before recording>`` for memory allocated before the recording
     started, ``<no Python frame>`` for allocations made by threads Python does not run
-    (PyTorch's intra-op workers)."""
+    (PyTorch's intra-op workers), ``backward of <module>`` (``backward`` where no module is
+    known) for those autograd's engine made while computing that module's gradients."""
     line: int
-    """The line number (0 for the two pseudo files above)."""
+    """The line number (0 for the pseudo files above)."""
     function: str
     """The function's qualified name, ``<module>`` for a script's top level."""
     bytes: int
     """Bytes allocated there and alive at the peak."""
+    stack: Stack = field(default=(), compare=False)
+    """The Python stack of the first allocation seen there, innermost first, as
+    ``(file, line, function)``: library lines one look away. Empty where none was kept."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -36,7 +43,14 @@ class Site:
             "line": self.line,
             "function": self.function,
             "bytes": self.bytes,
+            "stack": [list(frame) for frame in self.stack],
         }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Site:
+        """The site that :meth:`to_json` wrote (``stack`` may be missing: older reports)."""
+        stack = tuple((str(f), int(n), str(fn)) for f, n, fn in data.get("stack", ()))
+        return cls(data["file"], data["line"], data["function"], data["bytes"], stack)
 
 
 @dataclass(frozen=True)
@@ -239,7 +253,7 @@ def _device_from_json(name: str, entry: dict[str, Any], timeline: Any) -> Device
         tuple((t, b) for t, b in timeline),
         categories_at_peak=entry["categories_at_peak"],
         categories_at_end=entry["categories_at_end"],
-        sites_at_peak=tuple(Site(**s) for s in entry["sites_at_peak"]),
+        sites_at_peak=tuple(Site.from_json(s) for s in entry["sites_at_peak"]),
         largest_at_peak=tuple(
             Held(**{**h, "shape": None if h["shape"] is None else tuple(h["shape"])})
             for h in entry["largest_at_peak"]

@@ -1,0 +1,151 @@
+"""The one rule for "the user's own line": which frame of a stack names an allocation.
+
+A site is the innermost frame of the user's own code. Frames of PyTorch, torchmem,
+Python's standard library, generated code (``torch.compile``'s inductor files, FX's
+``<eval_with_key>.N``, ``<string>``, frozen modules) and installed packages
+(``site-packages``, ``dist-packages``, this interpreter's ``purelib``/``platlib``) are
+passed over while a frame of the user's code is further out. Where the stack holds none,
+the innermost installed package's frame names it, else the innermost Python frame of any
+kind. C++ frames never do. An allocation made by autograd's engine (inside its entry
+point before any user frame, or with only C++ frames on the engine's thread) is named
+:data:`BACKWARD`; a recording that knows which module's backward ran names it further.
+
+Every place that names sites uses this rule: the CPU allocator's log (its C++ side calls
+:func:`pattern`'s ``match`` on each new code object and walks the stack as :func:`choose`
+does), the CUDA allocator history, memory snapshots and the estimator. The rule reads file
+paths only (a snapshot may come from another machine), plus this interpreter's own
+installation paths.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+import sysconfig
+from collections.abc import Iterable, Sequence
+from typing import TypeVar
+
+Frame = tuple[str, int, str]
+"""``(file, line, function)``."""
+Stack = tuple[Frame, ...]
+"""Python frames, innermost first."""
+
+USER, ENGINE, OTHER, LIBRARY = range(4)
+"""What a Python frame is: the user's code, autograd engine's entry point, code that is
+never a site while a user frame is in the stack (PyTorch, torchmem, the standard library,
+generated code), an installed package. The three last are the group numbers
+(``Match.lastindex``) of :func:`pattern`; no match is the user's code."""
+
+BACKWARD = "backward"
+"""The site of an allocation autograd's engine made, where no module is known."""
+NO_PYTHON = "<no Python frame>"
+"""The site of an allocation made with no Python frame at hand: by a thread Python does not
+run, or one that had released the interpreter (PyTorch's intra-op workers)."""
+
+_ENGINE_ENTRY = "_engine_run_backward"
+"""The function of ``torch/autograd/graph.py`` that runs autograd's engine."""
+_ENGINE_THREAD = "torch::autograd::Engine::"
+"""A C++ frame's name on autograd engine's threads."""
+_PYTHON_FILES = (".py", ".pyx", ".pyw")
+_SEP = r"[/\\]"
+_LINE = r"[^\n]*"
+
+
+def _prefixes(names: Iterable[str]) -> list[str]:
+    paths = sysconfig.get_paths()
+    found = {os.path.join(paths[n], "") for n in names if paths.get(n)}
+    return [re.escape(p) for p in sorted(found)]
+
+
+@functools.cache
+def pattern() -> re.Pattern[str]:
+    """The rule as one regular expression, matched (``match``) against
+    ``f"{file}\\n{function}"``: group 1 is autograd engine's entry point, group 2 code that
+    is never a site while the user's is in the stack, group 3 an installed package. The
+    first alternative that matches decides; none is the user's code."""
+    other = [
+        *(p + r"(?!site-|dist-)" for p in _prefixes(("stdlib", "platstdlib"))),
+        _LINE + _SEP + r"(?:torch|torchmem|torchinductor_[^/\\\n]*)" + _SEP,
+        _LINE + _SEP + r"lib" + _SEP + r"(?:python|pypy)3\.\d+" + _SEP + r"(?!site-|dist-)",
+        _LINE + r"\\Lib\\(?!site-)",
+        r"<(?:frozen |eval_with_key>|string>)",
+    ]
+    library = [*_prefixes(("purelib", "platlib")), _LINE + _SEP + r"(?:site|dist)-packages" + _SEP]
+    engine = _LINE + _SEP + r"torch" + _SEP + r"autograd" + _SEP + _LINE + r"\n" + _ENGINE_ENTRY
+    return re.compile(f"({engine}$)|({'|'.join(other)})|({'|'.join(library)})")
+
+
+@functools.lru_cache(maxsize=8192)
+def kind(file: str, function: str) -> int:
+    """What a Python frame of `file` running `function` is: :data:`USER`, :data:`ENGINE`,
+    :data:`OTHER` or :data:`LIBRARY`."""
+    found = pattern().match(f"{file}\n{function}")
+    return USER if found is None else found.lastindex or USER
+
+
+def is_python(file: str) -> bool:
+    """Whether a frame of a recorded stack (C++ frames included) is a Python frame: its
+    file is a Python source or generated code (``<...>``), not ``??``, a C++ source or a
+    shared library."""
+    return file.endswith(_PYTHON_FILES) or file.startswith("<")
+
+
+T = TypeVar("T")
+
+
+def choose(frames: Iterable[tuple[int, T]]) -> tuple[int, T] | None:
+    """The frame naming an allocation, of Python `frames` given as (:func:`kind`, frame),
+    innermost first: the first of the user's code or autograd's entry point (an engine
+    frame further in than any user frame: the engine made it), else the first of an
+    installed package, else the first; None where there is none. Reads no further than
+    the frame it returns where that is the user's."""
+    library: tuple[int, T] | None = None
+    first: tuple[int, T] | None = None
+    for found in frames:
+        if found[0] in (USER, ENGINE):
+            return found
+        if found[0] == LIBRARY and library is None:
+            library = found
+        if first is None:
+            first = found
+    return library or first
+
+
+def stack_site(frames: Sequence[Frame]) -> tuple[Frame, Stack]:
+    """The site of a recorded stack (``(file, line, function)`` innermost first, C++ frames
+    included, as PyTorch's allocator history keeps them) and its Python frames. With no
+    Python frame, the site is :data:`BACKWARD` on autograd engine's threads, else
+    :data:`NO_PYTHON`."""
+    stack = tuple(f for f in frames if is_python(f[0]))
+    found = choose((kind(f[0], f[2]), f) for f in stack)
+    if found is None:
+        backward = any(_ENGINE_THREAD in f[2] for f in frames)
+        return (BACKWARD if backward else NO_PYTHON, 0, ""), stack
+    return ((BACKWARD, 0, "") if found[0] == ENGINE else found[1]), stack
+
+
+def code_name(code: object) -> str:
+    """A code object's function name, qualified where Python says it (3.11 on)."""
+    return str(getattr(code, "co_qualname", None) or getattr(code, "co_name", ""))
+
+
+def own_file(file: str) -> bool:
+    """Whether `file` is torchmem's own (its frames are left out of a kept stack)."""
+    return file.startswith(_TORCHMEM)
+
+
+_TORCHMEM = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "")
+
+
+class SiteKey(tuple[str, int, str]):
+    """A site's ``(file, line, function)``, equal to and hashed as that plain tuple, that
+    carries the stack it was first seen with: a table of bytes per site keeps the first
+    key it was given, so the stack comes along without a second table."""
+
+    stack: Stack
+
+    def __new__(cls, frame: Frame, stack: Stack) -> SiteKey:
+        key = super().__new__(cls, frame)
+        key.stack = stack
+        return key

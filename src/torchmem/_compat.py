@@ -11,12 +11,13 @@ for the PyTorch it pins.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import operator
 import platform
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any, NoReturn, TypeVar
 
 import torch
@@ -187,30 +188,71 @@ per storage however many Python objects stand for it (``data_ptr()`` would not d
 0 for every meta tensor and every empty one)."""
 
 # CUDA allocator history ----------------------------------------------------------------
+# PyTorch keeps one allocator history per process. Re-enabling it keeps what it holds (unless
+# asked to clear it); disabling it (enabled=None) throws it away; a smaller max_entries drops
+# the oldest entries. Both functions are looked up at each use: torchmem's interceptor, and
+# other code, may have replaced them.
 
-_RECORD_HISTORY = lookup("torch.cuda.memory._record_memory_history")
-_SNAPSHOT = lookup("torch.cuda.memory._snapshot")
+_HISTORY_FEATURE = "Recording CUDA memory"
+HistoryHook = Callable[[tuple[Any, ...], dict[str, Any], Callable[..., Any]], Any]
+"""What runs instead of the program's own ``_record_memory_history(*args, **kwargs)``:
+``hook(args, kwargs, original)``; the hook decides what, if anything, to pass on."""
+
+_history_interceptor: tuple[Callable[..., Any], Callable[..., Any]] | None = None
+"""The interceptor :func:`intercept_cuda_history` installed, and the function it replaced."""
 
 
-def cuda_history_start(stacks: bool, entries: int) -> None:
-    """Make PyTorch's caching allocator record each allocation and free (with the Python
-    stack of each allocation where `stacks`), keeping the last `entries` actions."""
-    if _RECORD_HISTORY is None:
-        unsupported("torch.cuda.memory._record_memory_history", "Recording CUDA memory")()
-    _RECORD_HISTORY(
-        "all", context="alloc" if stacks else None, stacks="python", max_entries=entries
-    )
+def _record_history() -> Callable[..., Any]:
+    if _history_interceptor is not None:  # whatever wraps the interceptor since
+        return _history_interceptor[1]
+    current = getattr(torch.cuda.memory, "_record_memory_history", None)
+    if current is None:
+        unsupported("torch.cuda.memory._record_memory_history", _HISTORY_FEATURE)()
+    return current  # type: ignore[no-any-return]
 
 
-def cuda_history_stop(device: int | None) -> dict[str, Any]:
-    """Stop recording the history; return ``torch.cuda.memory._snapshot(device)`` taken
-    just before."""
-    if _SNAPSHOT is None or _RECORD_HISTORY is None:
-        unsupported("torch.cuda.memory._snapshot", "Recording CUDA memory")()
+def cuda_history_set(enabled: str | None, **settings: Any) -> None:
+    """Call PyTorch's ``_record_memory_history(enabled, **settings)`` itself, passing by
+    torchmem's interceptor; settings this PyTorch does not know are left out."""
+    record = _record_history()
     try:
-        return _SNAPSHOT(device)  # type: ignore[no-any-return]
-    finally:
-        _RECORD_HISTORY(None)
+        known: Collection[str] = inspect.signature(record).parameters
+    except (TypeError, ValueError):
+        known = ()
+    record(enabled, **{k: v for k, v in settings.items() if k in known})
+
+
+def cuda_history_snapshot() -> dict[str, Any]:
+    """``torch.cuda.memory._snapshot()``: every device's segments and allocator history."""
+    take = getattr(torch.cuda.memory, "_snapshot", None)
+    if take is None:
+        unsupported("torch.cuda.memory._snapshot", _HISTORY_FEATURE)()
+    return take()  # type: ignore[no-any-return]
+
+
+def intercept_cuda_history(hook: HistoryHook) -> None:
+    """Make the program's calls of ``torch.cuda.memory._record_memory_history`` run `hook`
+    instead, until :func:`stop_intercepting_cuda_history`."""
+    global _history_interceptor
+    original = _record_history()
+
+    @functools.wraps(original)
+    def intercept(*args: Any, **kwargs: Any) -> Any:
+        if _history_interceptor is None or _history_interceptor[0] is not intercept:
+            return original(*args, **kwargs)  # kept by code that wrapped it: not ours now
+        return hook(args, kwargs, original)
+
+    torch.cuda.memory._record_memory_history = intercept
+    _history_interceptor = (intercept, original)
+
+
+def stop_intercepting_cuda_history() -> None:
+    """Put back the function :func:`intercept_cuda_history` replaced, unless other code
+    replaced the interceptor since (that code keeps its own function)."""
+    global _history_interceptor
+    installed, _history_interceptor = _history_interceptor, None
+    if installed is not None and torch.cuda.memory._record_memory_history is installed[0]:
+        torch.cuda.memory._record_memory_history = installed[1]
 
 
 # Peak-counter resets -------------------------------------------------------------------

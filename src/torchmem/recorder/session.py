@@ -209,6 +209,8 @@ class Recording:
                     "CPU tensors were measured by the fallback meter: no categories, sites"
                     " or modules (see `torchmem build`)."
                 )
+        if self._cuda is not None:
+            notes.extend(self._cuda.notes)
         if self._cpu is not None and self.sites and not self._cpu.records_sites:
             notes.append("Allocation sites need Python's headers where torchmem was built.")
         duration = (self._stopped - self._started) / 1e9

@@ -101,6 +101,24 @@ def test_cuda_estimate_is_block_rounded_with_whole_segments() -> None:
     assert found.categories["other"] == found.peak_bytes
 
 
+def test_a_free_is_logged_at_its_own_block_size() -> None:
+    # a and b merge into one free block when b is freed: the log must still take 4 KiB off
+    # for each (it took the merged block's size and ended megabytes below zero).
+    def four(batch: int) -> None:
+        a = torch.empty(1024, device="cuda")
+        b = torch.empty(1024, device="cuda")
+        del a, b
+        c = torch.empty(1024, device="cuda")
+        d = torch.empty(1024, device="cuda")
+        del c, d
+
+    found = estimate(four, 1)
+    assert found.peak_bytes == 8192
+    assert found.run.end_bytes == 0
+    assert min(used for _, used in found.run.timeline) == 0
+    assert found.reserved_bytes == 2 * MIB
+
+
 def test_cuda_estimate_of_a_training_step() -> None:
     found = estimate(mlp_step, 64)
     assert found.reserved_bytes % (2 * MIB) == 0

@@ -335,10 +335,11 @@ def _on_cuda(
             moved[index] = allocate(when, address, nbytes, site)
             continue
         block, request = blocks.pop(moved[other])
+        size = block.size  # free() merges the block with its free neighbours
         allocator.free(block)
         out[moved[other]][4] = len(out)
         requests.append(-(request + 1))
-        out.append([when, address, -block.size, NO_SITE, moved[other]])
+        out.append([when, address, -size, NO_SITE, moved[other]])
     events = torch.tensor(out, dtype=torch.int64).reshape(-1, 5)
     log = Log("cpu", 0, fake.log.start, events, fake.log.sites)  # marks name "cpu"
     return log, tuple(requests)

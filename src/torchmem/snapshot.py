@@ -8,10 +8,13 @@ strings, numbers, bytes, tuples, sets, booleans, None) and refuses every global 
 persistent id: nothing from the file runs.
 
 The trace is a ring buffer: it may start in the middle of a run. Its replay (allocations
-add their bytes, completed frees subtract them) is therefore anchored at its end, where it
-must equal the bytes the snapshot's segments hold active on that device (``active_allocated``
-and ``active_pending_free`` blocks: a freed block counts until its free completes); the
-bytes in use when the trace starts follow from that.
+add the bytes of their blocks, completed frees subtract them) is therefore anchored at its
+end, where it must equal the bytes the snapshot's segments hold active on that device
+(``active_allocated`` and ``active_pending_free`` blocks: a freed block counts until its
+free completes); the bytes in use when the trace starts follow from that. The trace
+records each request's size, not its block's: the block follows from the addresses and
+the allocator's rules (:func:`torchmem.records.caching.trace_blocks`), so that the peak is
+in the same bytes as ``max_memory_allocated()``.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from pathlib import Path
 from typing import IO, Any, NamedTuple, NoReturn
 
 from torchmem.errors import SnapshotError
+from torchmem.records.caching import KINDS, trace_blocks
 from torchmem.records.frames import Frame, SiteKey, stack_site
 from torchmem.records.run import Site
 from torchmem.records.snapshot import (
@@ -185,15 +189,16 @@ def _sites(sizes: dict[tuple[str, int, str], int]) -> tuple[Site, ...]:
     return tuple(Site(*key, size, getattr(key, "stack", ())) for key, size in ordered if size)
 
 
-class _Entry(NamedTuple):  # a named tuple: made up to a million times per snapshot
+class _Entry(NamedTuple):
+    """A trace entry whose site, or out-of-memory event, a report shows."""
+
     action: str
     address: int
     bytes: int
     time: float
-    """Seconds from the trace's first entry."""
+    """Seconds from the trace's first entry (0.0 where the trace has no times)."""
     frames: object
-    """As the snapshot has them: read (:meth:`_Reader.site`) only for the allocations
-    alive at the peak, not for each of a trace's up to a million entries."""
+    """As the snapshot has them."""
     where: tuple[int, int]
     """(entry, device): where the entry is, for an error message."""
     device_free: int | None
@@ -271,6 +276,8 @@ class _Reader:
             segment = self.segment(raw, f"segment {i}", sites)
             segments.setdefault(segment.device, []).append(segment)
         traces = self.items(data, "device_traces", "it")
+        settings = data.get("allocator_settings")
+        expandable = isinstance(settings, dict) and settings.get("expandable_segments") is True
         names = data.get(DEVICE_NAMES, [])
         if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
             self.fail(f"its {DEVICE_NAMES!r} is not a list of strings")
@@ -288,8 +295,8 @@ class _Reader:
                 tuple(own),
                 _sites(sites.get(index, {})),
             )
-            entries = self.trace(traces[index] if index < len(traces) else [], index)
-            found[index] = _replayed(device, entries, self.entry_site) if entries else device
+            trace = self.trace(traces[index] if index < len(traces) else [], index, expandable)
+            found[index] = _replayed(device, trace, self.entry_site) if trace.raw else device
         return found
 
     def segment(
@@ -299,32 +306,48 @@ class _Reader:
         address = self.field(raw, "address", where, int)
         blocks = []
         at = address
+        allocated = pending = largest = 0
         for j, block in enumerate(self.items(raw, "blocks", where)):
-            here = f"{where}, block {j}"
-            size = self.field(block, "size", here, int)
-            state = self.field(block, "state", here, str)
-            blocks.append(Block(self.field(block, "address", here, int, at), size, state))
-            at = blocks[-1].address + size
+            # The checks of field(), inline: a snapshot has thousands of blocks.
+            if type(block) is dict:
+                size, state, at = block.get("size"), block.get("state"), block.get("address", at)
+            if not (type(block) is dict and type(size) is int and type(state) is str):
+                self.bad_block(block, f"{where}, block {j}")
+            if type(at) is not int:
+                self.bad_block(block, f"{where}, block {j}")
+            blocks.append(Block(at, size, state))
+            at += size
             if state == "active_allocated":
+                allocated += size
                 frames = block.get("frames")
                 if frames is None and block.get("history"):  # older PyTorch, as it reads them
+                    here = f"{where}, block {j}"
                     frames = self.field(block["history"][0], "frames", here, list, [])
-                key = self.site(frames or [], here)
+                key = self.site(frames or [], f"{where}, block {j}")
                 own = sites.setdefault(device, {})
                 own[key] = own.get(key, 0) + size
-        allocated = sum(b.bytes for b in blocks if b.state == "active_allocated")
-        pending = sum(b.bytes for b in blocks if b.state == "active_pending_free")
+            elif state == "active_pending_free":
+                pending += size
+            elif state == "inactive":
+                largest = max(largest, size)
         return Segment(
             device,
             address,
             self.field(raw, "total_size", where, int),
             allocated,
             allocated + pending,
-            max((b.bytes for b in blocks if b.state == "inactive"), default=0),
+            largest,
             self.field(raw, "stream", where, int, 0),
             self.field(raw, "segment_type", where, (str, type(None))),
             tuple(blocks),
         )
+
+    def bad_block(self, block: object, where: str) -> NoReturn:
+        """Fail with what is wrong with a segment's block that is not as it should be."""
+        self.field(block, "size", where, int)
+        self.field(block, "state", where, str)
+        self.field(block, "address", where, int, 0)
+        self.fail(f"{where} is not a block")
 
     def bad_entry(self, entry: object, where: str) -> NoReturn:
         """Fail with what is wrong with a trace entry that is not as it should be."""
@@ -335,19 +358,19 @@ class _Reader:
         self.field(entry, "device_free", where, (int, type(None)))
         self.fail(f"{where} is not a trace entry")
 
-    def trace(self, raw: object, device: int) -> list[_Entry]:
+    def trace(self, raw: object, device: int, expandable: bool = False) -> _Trace:
         if not isinstance(raw, list):
             self.fail(f"the trace of device {device} is a {type(raw).__name__}, not a list")
-        entries = []
-        start: int | None = None
-        last = 0
+        events = []
+        ooms = []
+        kinds = KINDS.get
         for k, entry in enumerate(raw):
             # The checks of field(), inline: a trace has up to a million entries.
             if type(entry) is not dict:
                 self.bad_entry(entry, f"entry {k} of the trace of device {device}")
             get = entry.get
             action = get("action")
-            time_us = get("time_us", last)
+            time_us = get("time_us", 0)
             address = get("addr", 0)
             size = get("size", 0)
             free = get("device_free")
@@ -359,52 +382,102 @@ class _Reader:
                 and (free is None or type(free) is int)
             ):
                 self.bad_entry(entry, f"entry {k} of the trace of device {device}")
-            start = time_us if start is None else start
-            last = time_us
-            entries.append(
-                _Entry(
-                    action,
-                    address,
-                    size,
-                    (time_us - start) / 1e6,
-                    get("frames", []),
-                    (k, device),
-                    free,
-                )
-            )
-        return entries
+            kind = kinds(action)
+            if kind is not None:
+                events.append((kind, address, size, time_us, k))
+            elif action == "oom":
+                ooms.append(k)
+        end = next((t for t in (e.get("time_us", 0) for e in reversed(raw)) if t), 0)
+        start = raw[0].get("time_us", 0) if raw else 0
+        return _Trace(raw, events, ooms, device, start, end, end != 0, expandable)
+
+
+class _Trace(NamedTuple):
+    """A device's trace, checked."""
+
+    raw: list[dict[str, Any]]
+    """The entries as the snapshot has them: their frames are read (:meth:`_Reader.site`)
+    only for the allocations alive at the peak."""
+    events: list[tuple[int, int, int, int, int]]
+    """Its allocations, completed frees and segment actions: (number in
+    :data:`~torchmem.records.caching.KINDS`, address, bytes, time in µs, entry index)."""
+    ooms: list[int]
+    """The entry indices of its out-of-memory events."""
+    device: int
+    start: int
+    """The time of its first entry, in µs."""
+    end: int
+    """The time of its last entry with a time, in µs."""
+    timed: bool
+    """Whether any of its entries has a time; where none has, entry numbers stand in."""
+    expandable: bool
+    """Whether the allocator's segments were expandable."""
+
+    def seconds(self, time_us: int, before: float) -> float:
+        """Seconds from the trace's start to `time_us`; `before` where it has no time."""
+        return (time_us - self.start) / 1e6 if time_us else before
+
+    def entry(self, k: int) -> _Entry:
+        """Entry `k` (an index), for its site or its out-of-memory event."""
+        raw = self.raw[k]
+        return _Entry(
+            raw["action"],
+            raw.get("addr", 0),
+            raw.get("size", 0),
+            self.seconds(raw.get("time_us", 0), 0.0),
+            raw.get("frames", []),
+            (k, self.device),
+            raw.get("device_free"),
+        )
 
 
 def _replayed(
-    device: DeviceSnapshot, entries: list[_Entry], site: Callable[[_Entry], tuple[str, int, str]]
+    device: DeviceSnapshot, trace: _Trace, site: Callable[[_Entry], tuple[str, int, str]]
 ) -> DeviceSnapshot:
-    """`device` with the peak, timeline, sites at the peak and OOM of its trace."""
-    changes = [e for e in entries if e.action in ("alloc", "free_completed")]
+    """`device` with the peak, timeline, sites at the peak and OOM of its trace, all in
+    block bytes (:func:`~torchmem.records.caching.trace_blocks`)."""
+    events, timed = trace.events, trace.timed
+    in_use = [
+        (b.address, b.bytes)
+        for s in device.segments
+        for b in s.blocks
+        if b.state in ("active_allocated", "active_pending_free")
+    ]
+    segments = [(s.address, s.total_bytes) for s in device.segments]
+    blocks = trace_blocks(segments, in_use, events, trace.expandable)
     running = highest = 0
-    peak_at = -1  # the index in `changes` after which the peak held; -1: the start
-    points: list[tuple[float, int]] = [(0.0, 0)]
-    for k, e in enumerate(changes):
-        running += e.bytes if e.action == "alloc" else -e.bytes
-        points.append((e.time, running))
+    peak_at = -1  # the index in `events` after which the peak held; -1: the start
+    points: list[tuple[float, int]] = [(0.0, 0)]  # (seconds or entry number, bytes)
+    when = peak_when = 0.0
+    for k, (kind, _, _, time_us, entry) in enumerate(events):
+        if kind > 1:
+            continue
+        running += blocks[k] if kind == 0 else -blocks[k]
+        when = trace.seconds(time_us, when) if timed else entry + 1
+        points.append((when, running))
         if running > highest:
-            highest, peak_at = running, k
+            highest, peak_at, peak_when = running, k, when
     base = device.active_bytes - running  # the anchor: the replay ends at the snapshot
-    live: dict[int, _Entry] = {}
-    for e in changes[: peak_at + 1]:
-        if e.action == "alloc":
-            live[e.address] = e
-        else:
-            live.pop(e.address, None)
+    live: dict[int, int] = {}  # address -> index in `events`
+    for k in range(peak_at + 1):
+        kind, address = events[k][:2]
+        if kind == 0:
+            live[address] = k
+        elif kind == 1:
+            live.pop(address, None)
     at_peak: dict[tuple[str, int, str], int] = {}
-    for e in live.values():
-        key = site(e)
-        at_peak[key] = at_peak.get(key, 0) + e.bytes
+    for k in live.values():
+        key = site(trace.entry(events[k][4]))
+        at_peak[key] = at_peak.get(key, 0) + blocks[k]
     unexplained = base + highest - sum(at_peak.values())
     if unexplained > 0:
         at_peak[(BEFORE_TRACE, 0, "")] = unexplained
-    ooms = [e for e in entries if e.action == "oom"]
-    largest = max((s.largest_free_bytes for s in device.segments), default=0)
-    duration = entries[-1].time
+    oom = None
+    if trace.ooms:
+        last = trace.entry(trace.ooms[-1])
+        largest = max((s.largest_free_bytes for s in device.segments), default=0)
+        oom = OOM(last.bytes, last.time, last.device_free, largest, trace.ooms[-1] + 1)
+    span = trace.seconds(trace.end, 0.0) if timed else len(trace.raw)
     return DeviceSnapshot(
         device.device,
         device.name,
@@ -414,27 +487,31 @@ def _replayed(
         device.segments,
         device.sites,
         peak_bytes=base + highest,
-        peak_time=changes[peak_at].time if peak_at >= 0 else 0.0,
-        duration=duration,
-        timeline=_timeline([(t, base + b) for t, b in points], duration),
+        peak_time=peak_when if timed else None,
+        duration=span if timed else 0.0,
+        timeline=_timeline([(x, base + b) for x, b in points], span, integral=not timed),
         sites_at_peak=_sites(at_peak),
-        oom=None if not ooms else OOM(ooms[-1].bytes, ooms[-1].time, ooms[-1].device_free, largest),
+        oom=oom,
+        entries=len(trace.raw),
+        peak_entry=events[peak_at][4] + 1 if peak_at >= 0 else 0,
+        timed=timed,
     )
 
 
 def _timeline(
-    points: Iterable[tuple[float, int]], duration: float
+    points: Iterable[tuple[float, int]], span: float, integral: bool = False
 ) -> tuple[tuple[float, int], ...]:
-    """The highest bytes of `points` (time, bytes from then on) in each of at most
-    :data:`MAX_POINTS` equal intervals of `duration` seconds; exact, not sampled."""
+    """The highest bytes of `points` (x, bytes from then on) in each of at most
+    :data:`MAX_POINTS` equal intervals of x from 0 to `span`; exact, not sampled. With
+    `integral` (x counts entries) each interval ends at a whole number."""
     ordered = list(points)
-    if duration <= 0:
+    if span <= 0:
         return ((0.0, max(b for _, b in ordered)),)
     count = min(MAX_POINTS, len(ordered))
     out = []
     i, value = 0, ordered[0][1]
     for k in range(count):
-        end = duration * (k + 1) / count
+        end = -(-int(span) * (k + 1) // count) if integral else span * (k + 1) / count
         high = value
         while i < len(ordered) and (ordered[i][0] <= end or k == count - 1):
             value = ordered[i][1]

@@ -15,13 +15,13 @@ It follows ``c10/cuda/CUDACachingAllocator.cpp`` with its default settings:
 - where a new segment would exceed the memory there is, every wholly free segment is
   released first (``release_cached_blocks``), and only then is it out of memory;
 - with ``expandable_segments:True`` each pool is one segment that grows at its end in
-  pages of 2 MiB (small pool) or 20 MiB (large pool) as needed.
+  pages of 2 MiB (small pool) or 20 MiB (large pool) as needed, and a block is split
+  when at least 512 bytes remain in either pool.
 
 A segment's address is the driver's choice; the model numbers its own segments from
 2**40 unless told otherwise (:mod:`torchmem.estimator.replay` gives it the addresses a
-real trace recorded). Every block of a large pool is larger than 1 MiB (requests are,
-and so is every remainder split off): :func:`block_bytes` uses that to tell a block's
-size from the addresses around it.
+real trace recorded). The size rules themselves are :mod:`torchmem.records.caching`'s,
+which the snapshot reader shares.
 """
 
 from __future__ import annotations
@@ -32,51 +32,20 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-MIN_BLOCK = 512
-SMALL_SIZE = 2**20
-"""Requests up to this size (rounded) come from the small pool."""
-SMALL_BUFFER = 2 * 2**20
-"""The small pool's segment (and, expandable, page) size."""
-LARGE_BUFFER = 20 * 2**20
-"""The large pool's segment size for requests under :data:`MIN_LARGE_ALLOC`, and its page
-size when segments are expandable."""
-MIN_LARGE_ALLOC = 10 * 2**20
-ROUND_LARGE = 2 * 2**20
-"""Segments for requests of at least :data:`MIN_LARGE_ALLOC` are rounded up to this."""
+from torchmem.records.caching import (
+    LARGE_BUFFER as LARGE_BUFFER,
+    MIN_BLOCK as MIN_BLOCK,
+    MIN_LARGE_ALLOC as MIN_LARGE_ALLOC,
+    ROUND_LARGE as ROUND_LARGE,
+    SMALL_BUFFER as SMALL_BUFFER,
+    SMALL_SIZE as SMALL_SIZE,
+    round_size as round_size,
+    segment_size as segment_size,
+    splits,
+)
+
 FIRST_ADDRESS = 1 << 40
 """Where the model places its own segments when no driver says where."""
-
-
-def round_size(nbytes: int) -> int:
-    """A request's size as the allocator serves it: a multiple of 512, at least 512."""
-    if nbytes < MIN_BLOCK:
-        return MIN_BLOCK
-    return -(-nbytes // MIN_BLOCK) * MIN_BLOCK
-
-
-def segment_size(nbytes: int) -> int:
-    """The segment reserved for a (rounded) request that no cached block serves."""
-    if nbytes <= SMALL_SIZE:
-        return SMALL_BUFFER
-    if nbytes < MIN_LARGE_ALLOC:
-        return LARGE_BUFFER
-    return -(-nbytes // ROUND_LARGE) * ROUND_LARGE
-
-
-def splits(size: int, remaining: int) -> bool:
-    """Whether a free block is split when a (rounded) request of `size` bytes takes it and
-    `remaining` bytes would be left (not expandable)."""
-    return remaining >= MIN_BLOCK if size <= SMALL_SIZE else remaining > SMALL_SIZE
-
-
-def block_bytes(request: int, room: int) -> int:
-    """The size of the block of a request of `request` bytes (as the trace records it)
-    that starts a free stretch of `room` bytes (up to the next block in use, or the end of
-    the segment): the request rounded, or the whole stretch where the rest would be too
-    small to split off. Where `room` is smaller than the rounded request (the addresses
-    are not known well enough), the request rounded."""
-    size = round_size(request)
-    return room if size <= room and not splits(size, room - size) else size
 
 
 def expandable_segments(conf: str | None = None) -> bool:
@@ -180,7 +149,7 @@ class CachingAllocator:
             block = self._grow(size, small, stream)
         self._take(block)
         remaining = block.size - size
-        if remaining >= MIN_BLOCK if small or self.expandable else remaining > SMALL_SIZE:
+        if splits(size, remaining, self.expandable):
             rest = _Block(block.address + size, remaining, block.segment, small)
             rest.prev, rest.next = block, block.next
             if block.next is not None:

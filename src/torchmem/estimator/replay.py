@@ -16,7 +16,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from torchmem.estimator.allocator import SMALL_BUFFER, Layout, adopted, block_bytes
+from torchmem.estimator.allocator import Layout, adopted
+from torchmem.records.caching import SMALL_BUFFER, block_bytes
 
 MISMATCHES = 20
 """How many differences a replay keeps (it counts them all)."""

@@ -1,5 +1,5 @@
 """A memory snapshot's records: what PyTorch's caching allocator held, per device, in bytes
-and seconds.
+and seconds (entry numbers where a trace has no times).
 
 Made by :mod:`torchmem.snapshot` (``torchmem snapshot``, ``torchmem.load_snapshot``); read
 by the renderers in :mod:`torchmem.render.snapshot`. :meth:`SnapshotRecord.to_json` and
@@ -66,11 +66,13 @@ class OOM:
 
     requested_bytes: int
     time: float
-    """Seconds from the first entry of the device's trace."""
+    """Seconds from the first entry of the device's trace (0.0 where it has no times)."""
     device_free_bytes: int | None
     """What the device had free then, as the allocator saw it (None where not recorded)."""
     largest_free_bytes: int
     """The largest free block in the snapshot's segments on the device."""
+    entry: int = 0
+    """Its entry in the device's trace, counted from 1."""
 
 
 @dataclass(frozen=True)
@@ -93,18 +95,29 @@ class DeviceSnapshot:
     sites: tuple[Site, ...]
     """Allocation sites of the ``active_allocated`` blocks, largest first."""
     peak_bytes: int | None = None
-    """The highest active bytes over the trace; None where the snapshot has no trace."""
+    """The highest active bytes over the trace, in blocks (as ``max_memory_allocated()``
+    counts, not the requests); None where the snapshot has no trace."""
     peak_time: float | None = None
-    """Seconds from the first entry of the trace to the peak."""
+    """Seconds from the first entry of the trace to the peak; None where the trace has no
+    times (see :attr:`peak_entry`)."""
     duration: float = 0.0
-    """Seconds from the first entry of the trace to its last."""
+    """Seconds from the first entry of the trace to its last (0.0 without times)."""
     timeline: tuple[tuple[float, int], ...] = ()
-    """``(end of interval in seconds, highest active bytes during the interval)``: exact
-    peaks over consecutive intervals of the trace."""
+    """``(end of interval, highest active bytes during the interval)``: exact peaks over
+    consecutive intervals of the trace, in seconds, or where the trace has no times in
+    entry numbers (whole numbers, up to :attr:`entries`)."""
     sites_at_peak: tuple[Site, ...] = ()
     """Allocation sites alive at the peak, largest first."""
     oom: OOM | None = None
     """The trace's last out-of-memory event, if it has one."""
+    entries: int = 0
+    """Entries in the device's trace."""
+    peak_entry: int | None = None
+    """The entry of the trace after which the peak held, counted from 1 (0: its start);
+    None where the snapshot has no trace."""
+    timed: bool = True
+    """Whether the trace's entries have times (``time_us``); where not, the peak is placed
+    by :attr:`peak_entry` and the timeline is over entry numbers."""
 
 
 @dataclass(frozen=True)
@@ -133,7 +146,9 @@ class SnapshotRecord:
 
     def to_json(self) -> dict[str, Any]:
         """The documented JSON form (``torchmem snapshot --json``): bytes are ints, times
-        seconds, device indices strings (JSON's keys)."""
+        seconds, device indices strings (JSON's keys). Where a device's trace has no times
+        (``"timed": false``), ``peak_time_s`` and ``duration_s`` are null, ``peak_entry``
+        and ``entries`` place the peak, and the timeline is over entry numbers."""
         return {
             "source": self.source,
             "allocated_bytes": self.allocated_bytes,
@@ -204,7 +219,10 @@ def _device_json(device: DeviceSnapshot) -> dict[str, Any]:
         "reserved_bytes": device.reserved_bytes,
         "peak_bytes": device.peak_bytes,
         "peak_time_s": device.peak_time,
-        "duration_s": device.duration,
+        "peak_entry": device.peak_entry,
+        "entries": device.entries,
+        "timed": device.timed,
+        "duration_s": device.duration if device.timed else None,
         "sites": [s.to_json() for s in device.sites],
         "sites_at_peak": [s.to_json() for s in device.sites_at_peak],
         "segments": [
@@ -228,6 +246,7 @@ def _device_json(device: DeviceSnapshot) -> dict[str, Any]:
             "time_s": oom.time,
             "device_free_bytes": oom.device_free_bytes,
             "largest_free_bytes": oom.largest_free_bytes,
+            "entry": oom.entry,
         },
         "timeline": [[t, b] for t, b in device.timeline],
     }

@@ -43,6 +43,14 @@ def _seconds(value: float | None) -> str:
     return MISSING if value is None else f"{value:.2f}s"
 
 
+def _when(device: DeviceSnapshot) -> str:
+    """When the peak was: seconds into the trace, or where the trace has no times its entry
+    (``entry 3,697 of 10,307``)."""
+    if device.timed or device.peak_entry is None:
+        return _seconds(device.peak_time)
+    return f"entry {device.peak_entry:,} of {device.entries:,}"
+
+
 def _more(count: int, what: str) -> str:
     return f"... and {count} more {what}{'' if count == 1 else 's'}" if count > 0 else ""
 
@@ -55,7 +63,7 @@ def _devices(record: SnapshotRecord) -> Section:
             readable_size(d.active_bytes),
             readable_size(d.reserved_bytes),
             _size(d.peak_bytes),
-            _seconds(d.peak_time),
+            _when(d),
         )
         for d in record.devices.values()
     ]
@@ -115,8 +123,9 @@ def _oom(device: DeviceSnapshot) -> str | None:
     free = ""
     if oom.device_free_bytes is not None:
         free = f"; the device had {readable_size(oom.device_free_bytes)} free"
+    when = _seconds(oom.time) if device.timed else f"entry {oom.entry:,} of {device.entries:,}"
     return (
-        f"Out of memory on {device.name} at {_seconds(oom.time)}: asked for"
+        f"Out of memory on {device.name} at {when}: asked for"
         f" {readable_size(oom.requested_bytes)}; the largest free block was"
         f" {readable_size(oom.largest_free_bytes)}{free}."
     )
@@ -222,7 +231,7 @@ def html(record: SnapshotRecord, top: int = 10) -> str:
         else:
             parts.append(section_html(part))
         if index == 0 and devices:
-            charts = [_timeline_svg(d) for d in devices if d.timeline]
+            charts = [_timeline_svg(d) for d in devices if d.timeline and d.timed]
             charts += [segment_map(d, top) for d in devices if d.segments]
             parts.append(f'<div class="torchmem-charts">{"".join(charts)}</div>')
     return '<div class="torchmem-snapshot">' + "\n".join(parts) + "</div>"

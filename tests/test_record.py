@@ -22,6 +22,7 @@ from torch import nn
 import torchmem
 from standins import KiB, MiB
 from torchmem.meters import meter
+from torchmem.records.frames import BACKWARD
 from torchmem.records.run import CATEGORIES
 
 pytestmark = pytest.mark.skipif(
@@ -117,16 +118,19 @@ def test_a_tensor_alive_at_the_end_is_named_after_its_variable() -> None:
     del survivor
 
 
-def test_backward_allocations_belong_to_the_backward_line() -> None:
+def test_backward_allocations_are_named_backward_with_the_line_in_their_stack() -> None:
     weight = torch.randn(1024, 1024, requires_grad=True)
     x = torch.randn(256, 1024)
     with record() as rec:
         loss = (x @ weight).sum()
-        loss.backward()  # runs without the GIL
+        loss.backward()  # autograd's engine allocates, no module around it
         peak_line = sys._getframe().f_lineno - 1
-    sites = {(s.line, s.bytes) for s in rec.report().devices["cpu"].sites_at_peak}
-    # weight's gradient (4 MiB), the product's (1 MiB), the loss's (4 B), at once
-    assert (peak_line, 5 * MiB + 4) in sites
+    sites = rec.report().devices["cpu"].sites_at_peak
+    (engine,) = [s for s in sites if s.file == BACKWARD]
+    assert engine.bytes == 5 * MiB  # weight's gradient (4 MiB), the product's (1 MiB)
+    name = test_backward_allocations_are_named_backward_with_the_line_in_their_stack.__name__
+    assert (__file__, peak_line, name) in engine.stack
+    assert (peak_line, 4) in {(s.line, s.bytes) for s in sites}  # backward()'s ones_like(loss)
 
 
 def test_activations_are_the_tensors_autograd_saved() -> None:
@@ -325,7 +329,7 @@ def test_the_fallback_meter_reports_peaks_without_an_event_log() -> None:
 
 def test_cuda_allocator_history_becomes_an_event_log() -> None:
     """The CUDA path's conversion, on a trace shaped as ``_snapshot()["device_traces"][i]``."""
-    from torchmem.recorder.sources import cuda_events, user_prefixes
+    from torchmem.recorder.sources import cuda_events
 
     inside_torch = {"filename": torch.nn.modules.module.__file__, "line": 1, "name": "_call_impl"}
     mine = {"filename": "/home/me/train.py", "line": 7, "name": "step"}
@@ -339,7 +343,7 @@ def test_cuda_allocator_history_becomes_an_event_log() -> None:
         {"action": "free_completed", "addr": 9000, "size": 2048, "time_us": 3_500_000},
     ]  # fmt: skip
     start, wall = 7_000_000_000, 1_000_000_000  # monotonic and wall-clock ns at the start
-    events, sites = cuda_events(trace, start, wall, user_prefixes())
+    events, sites = cuda_events(trace, start, wall)
     assert events.tolist() == [
         [start + 1_000_000_000, 1000, 1024, 0, 1],
         [start + 2_000_000_000, 1000, -1024, -1, 0],

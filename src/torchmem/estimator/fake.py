@@ -20,7 +20,7 @@ import contextlib
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from types import CodeType
+from types import CodeType, FrameType
 from typing import Any
 
 import torch
@@ -41,7 +41,18 @@ from torchmem._compat import (
 )
 from torchmem.meters.tensor import TensorMeter
 from torchmem.recorder.hooks import Watcher
-from torchmem.recorder.sources import NO_SITE, Log, is_user_file, user_prefixes
+from torchmem.recorder.sources import NO_SITE, Log
+from torchmem.records.frames import (
+    BACKWARD,
+    ENGINE,
+    SiteKey,
+    Stack,
+    choose,
+    code_name,
+    kind,
+    own_file,
+)
+
 
 aten = torch.ops.aten
 MATMULS = frozenset((aten.mm, aten.addmm, aten.bmm, aten.baddbmm, aten.addbmm, aten.mv, aten.addmv))
@@ -75,10 +86,11 @@ class _LoggedMeter(TensorMeter):
     def __init__(self) -> None:
         super().__init__("cpu")
         self.rows: list[list[int]] = []
-        self.sites: dict[tuple[str, int, str], int] = {}
+        self.sites: dict[SiteKey, int] = {}
+        """Each site (:mod:`torchmem.records.frames`) -> its index, in order of first use."""
         self._open: dict[int, int] = {}
-        self._prefixes = user_prefixes()
-        self._user: dict[CodeType, bool] = {}
+        self._kinds: dict[CodeType, int] = {}  # -1: torchmem's own
+        self._picked: dict[tuple[CodeType, int], int] = {}
         self._on_freed = self._freed
 
     def _count(self, storage: torch.UntypedStorage, nbytes: int) -> None:
@@ -106,19 +118,46 @@ class _LoggedMeter(TensorMeter):
         self.rows.append([time.monotonic_ns(), key, -nbytes, NO_SITE, allocated])
 
     def _site(self) -> int:
-        frame = getframe(2)
-        user = self._user
-        while frame is not None:
-            code = frame.f_code
-            mine = user.get(code)
-            if mine is None:
-                mine = user[code] = is_user_file(code.co_filename, self._prefixes)
-            if mine:
-                name = getattr(code, "co_qualname", code.co_name)
-                key = (code.co_filename, frame.f_lineno or 0, name)
-                return self.sites.setdefault(key, len(self.sites))
-            frame = frame.f_back  # type: ignore[assignment]
-        return NO_SITE
+        """The index of the site of the allocation being logged (its stack kept the first
+        time), by the rule of :mod:`torchmem.records.frames`."""
+        kinds = self._kinds
+
+        def frames(frame: FrameType | None) -> Iterator[tuple[int, FrameType]]:
+            while frame is not None:
+                code = frame.f_code
+                found = kinds.get(code)
+                if found is None:
+                    own = own_file(code.co_filename)  # the meter's frames: never a site
+                    found = kinds[code] = -1 if own else kind(code.co_filename, code.co_name)
+                if found >= 0:
+                    yield found, frame
+                frame = frame.f_back
+
+        chosen = choose(frames(getframe(2)))
+        if chosen is None:
+            return NO_SITE
+        found, frame = chosen
+        where = (frame.f_code, frame.f_lineno or 0)
+        index = self._picked.get(where)
+        if index is None:
+            stack = _stack(getframe(2))
+            if found == ENGINE:
+                key = SiteKey((BACKWARD, 0, ""), stack)
+            else:
+                key = SiteKey((where[0].co_filename, where[1], code_name(where[0])), stack)
+            index = self._picked[where] = self.sites.setdefault(key, len(self.sites))
+        return index
+
+
+def _stack(frame: FrameType | None) -> Stack:
+    """The Python stack from `frame` out, innermost first, without torchmem's frames."""
+    found = []
+    while frame is not None:
+        code = frame.f_code
+        if not own_file(code.co_filename):
+            found.append((code.co_filename, frame.f_lineno or 0, code_name(code)))
+        frame = frame.f_back
+    return tuple(found)
 
 
 class _Operators(DispatchMode):

@@ -12,9 +12,10 @@
 // default allocator's) is swapped for one that counts them off when they die.
 //
 // While a recording runs (torchmem.record, torchmem run), every allocation and free is
-// also appended to an event log, with the allocation's site: the innermost frame of the
-// user's code on the allocating thread's Python stack (compiled in where Python's headers
-// are found, TORCHMEM_PYTHON).
+// also appended to an event log, with the allocation's site: the frame that
+// torchmem.records.frames.choose picks from the allocating thread's Python stack (compiled
+// in where Python's headers are found, TORCHMEM_PYTHON), and the whole stack the first
+// time a site is seen.
 
 #ifdef TORCHMEM_PYTHON
 #include <Python.h>  // first, as Python asks
@@ -74,14 +75,14 @@ struct Event {
   int64_t time_ns;  // steady clock: CLOCK_MONOTONIC, as Python's time.monotonic_ns()
   int64_t ptr;      // the data pointer
   int64_t size;
-  int64_t site;     // an index into the sites; kNoSite, kNoThread or kNoFrame
+  int64_t site;     // an index into the sites; kNoSite, kNoPython or kNoFrame
   int64_t other;    // the matching free of an allocation, the allocation of a free; -1
 };
 static_assert(sizeof(Event) == 5 * sizeof(int64_t), "five int64");
 
 constexpr int64_t kNoSite = -1;    // sites are not recorded
-constexpr int64_t kNoThread = -2;  // a thread Python does not know (intra-op workers)
-constexpr int64_t kNoFrame = -3;   // no frame of the user's code on the stack
+constexpr int64_t kNoPython = -2;  // a thread Python does not know (intra-op workers)
+constexpr int64_t kNoFrame = -3;   // no Python frame on the stack
 
 // 0: not recording; 1: recording; 2: recording with sites.
 std::atomic<int> recording{0};
@@ -97,93 +98,173 @@ inline int64_t now_ns() {
 
 #ifdef TORCHMEM_PYTHON
 // Guarded by the GIL, not by log_mutex: a thread never waits for the GIL holding it.
+//
+// The GIL: PyTorch's Python bindings release it around every operator, so an allocation
+// made from Python code usually runs without it. A thread that Python knows takes it back
+// for the walk (as PyTorch's own allocator history does to gather Python stacks); its
+// stack cannot change meanwhile, since the thread is here. It is taken while the allocator
+// holds none of its locks (record_alloc takes log_mutex after), so no thread waiting for
+// one of them can hold the GIL. A thread Python does not know (intra-op workers) is never
+// given a thread state: its allocations get kNoPython.
+//
+// CPython invariants relied on, the GIL held: no Python code runs here. The rule is called
+// through re.Pattern.match, a C function that never releases the GIL; code objects'
+// co_filename and co_name are plain members; the cyclic collector, whose finalizers could
+// run Python code (and release the GIL), is paused while the stack is read. Nothing in
+// here throws: a failed allocation of the tables below gives kNoFrame.
+constexpr int kUser = 0;  // the kinds of torchmem.records.frames, Match.lastindex of its rule
+constexpr int kEngine = 1;
+constexpr int kOther = 2;
+constexpr int kLibrary = 3;
+
 struct CodeHash {
   size_t operator()(const std::pair<PyObject*, int>& key) const {
     return std::hash<void*>()(key.first) * 31 + static_cast<size_t>(key.second);
   }
 };
-std::vector<std::pair<std::string, bool>>& prefixes =
-    *new std::vector<std::pair<std::string, bool>>();  // (prefix, is user code)
-std::unordered_map<PyObject*, bool>& user_code = *new std::unordered_map<PyObject*, bool>();
+using Frames = std::vector<std::pair<PyObject*, int>>;  // (code object, line), owned
+PyObject* rule = nullptr;  // torchmem.records.frames.pattern().match, owned
+std::unordered_map<PyObject*, int>& code_kinds = *new std::unordered_map<PyObject*, int>();
 std::unordered_map<std::pair<PyObject*, int>, int64_t, CodeHash>& site_ids =
     *new std::unordered_map<std::pair<PyObject*, int>, int64_t, CodeHash>();
 std::vector<std::pair<PyObject*, int>>& sites = *new std::vector<std::pair<PyObject*, int>>();
+std::vector<Frames>& stacks = *new std::vector<Frames>();  // each site's first stack
 
-// Whether a code object is the user's: the longest matching prefix decides; none: yes.
-bool is_user(PyObject* code) {
-  auto known = user_code.find(code);
-  if (known != user_code.end()) {
+// What a code object is, by the rule on "co_filename\nco_name" (none: the user's).
+int kind_of(PyObject* code) {
+  auto known = code_kinds.find(code);
+  if (known != code_kinds.end()) {
     return known->second;
   }
-  PyObject* name = PyObject_GetAttrString(code, "co_filename");
-  const char* text = name ? PyUnicode_AsUTF8(name) : nullptr;
-  bool user = true;
-  if (text == nullptr) {
-    PyErr_Clear();
-    user = false;
-  } else {
-    size_t longest = 0;
-    for (const auto& [prefix, mine] : prefixes) {
-      if (prefix.size() >= longest && std::strncmp(text, prefix.c_str(), prefix.size()) == 0) {
-        longest = prefix.size();
-        user = mine;
-      }
-    }
+  int kind = kOther;
+  PyObject* file = PyObject_GetAttrString(code, "co_filename");
+  PyObject* name = file ? PyObject_GetAttrString(code, "co_name") : nullptr;
+  PyObject* text = name ? PyUnicode_FromFormat("%U\n%U", file, name) : nullptr;
+  PyObject* found = text && rule ? PyObject_CallOneArg(rule, text) : nullptr;
+  if (found == Py_None) {
+    kind = kUser;
+  } else if (found != nullptr) {
+    PyObject* index = PyObject_GetAttrString(found, "lastindex");
+    const long group = index && PyLong_Check(index) ? PyLong_AsLong(index) : -1;
+    kind = group >= kEngine && group <= kLibrary ? static_cast<int>(group) : kOther;
+    Py_XDECREF(index);
   }
+  PyErr_Clear();
+  Py_XDECREF(found);
+  Py_XDECREF(text);
   Py_XDECREF(name);
-  Py_INCREF(code);  // held while cached: the address cannot be reused meanwhile
-  user_code[code] = user;
-  return user;
+  Py_XDECREF(file);
+  try {
+    code_kinds.emplace(code, kind);
+    Py_INCREF(code);  // held while cached: the address cannot be reused meanwhile
+  } catch (...) {
+  }
+  return kind;
 }
 
-int64_t intern(PyObject* code, int line) {
-  auto key = std::make_pair(code, line);
-  auto found = site_ids.find(key);
-  if (found != site_ids.end()) {
-    return found->second;
+// The Python stack from `frame` outwards, innermost first.
+Frames stack_of(PyFrameObject* frame) {
+  Frames found;
+  Py_XINCREF(frame);
+  while (frame != nullptr) {
+    PyObject* code = reinterpret_cast<PyObject*>(PyFrame_GetCode(frame));
+    found.emplace_back(code, PyFrame_GetLineNumber(frame));
+    PyFrameObject* back = PyFrame_GetBack(frame);
+    Py_DECREF(frame);
+    frame = back;
   }
-  Py_INCREF(code);
-  int64_t id = static_cast<int64_t>(sites.size());
-  sites.push_back(key);
-  site_ids[key] = id;
+  return found;
+}
+
+// The site index of `chosen`'s line; a new site keeps the stack from `innermost` out.
+int64_t intern(PyFrameObject* chosen, PyFrameObject* innermost) {
+  PyObject* code = reinterpret_cast<PyObject*>(PyFrame_GetCode(chosen));
+  auto key = std::make_pair(code, PyFrame_GetLineNumber(chosen));
+  int64_t id = kNoFrame;
+  try {
+    auto found = site_ids.find(key);
+    if (found != site_ids.end()) {
+      id = found->second;
+    } else {
+      Frames stack;
+      try {
+        stack = stack_of(innermost);
+      } catch (...) {  // its codes' references leak: the stack is only an example
+      }
+      sites.reserve(sites.size() + 1);
+      stacks.reserve(stacks.size() + 1);
+      site_ids.emplace(key, static_cast<int64_t>(sites.size()));
+      id = static_cast<int64_t>(sites.size());
+      sites.push_back(key);
+      stacks.push_back(std::move(stack));
+      return id;  // the site keeps the reference to its code
+    }
+  } catch (...) {
+    id = kNoFrame;
+  }
+  Py_DECREF(code);
   return id;
 }
 
-// The innermost frame of the user's code on this thread's Python stack. A thread that
-// released the GIL (autograd's backward on CPU does) takes it back for the walk; its
-// stack cannot change meanwhile, since the thread is here.
+// The site of this allocation: walking out from the innermost frame, the first of the
+// user's code or of autograd engine's entry point, else the first of an installed
+// package, else the first (torchmem.records.frames.choose).
 int64_t python_site() {
   if (!Py_IsInitialized()) {
-    return kNoThread;
+    return kNoPython;
   }
   const bool held = PyGILState_Check();
   PyGILState_STATE state{};
   if (!held) {
     if (PyGILState_GetThisThreadState() == nullptr) {
-      return kNoThread;
+      return kNoPython;
     }
     state = PyGILState_Ensure();
   }
   PyObject *type = nullptr, *value = nullptr, *traceback = nullptr;
   PyErr_Fetch(&type, &value, &traceback);
-  int64_t site = kNoFrame;
-  PyFrameObject* frame = PyEval_GetFrame();
+#if PY_VERSION_HEX >= 0x030A0000
+  const int collecting = PyGC_Disable();
+#endif
+  PyFrameObject* innermost = PyEval_GetFrame();  // borrowed
+  PyFrameObject* frame = innermost;
+  PyFrameObject* library = nullptr;
+  PyFrameObject* chosen = nullptr;
   Py_XINCREF(frame);
   while (frame != nullptr) {
     PyObject* code = reinterpret_cast<PyObject*>(PyFrame_GetCode(frame));
-    const bool user = is_user(code);
-    if (user) {
-      site = intern(code, PyFrame_GetLineNumber(frame));
-    }
+    const int kind = kind_of(code);
     Py_DECREF(code);
-    if (user) {
+    if (kind == kUser || kind == kEngine) {
+      Py_XDECREF(library);
+      chosen = frame;
       break;
+    }
+    if (kind == kLibrary && library == nullptr) {
+      Py_INCREF(frame);
+      library = frame;
     }
     PyFrameObject* back = PyFrame_GetBack(frame);
     Py_DECREF(frame);
     frame = back;
   }
-  Py_XDECREF(frame);
+  if (chosen == nullptr) {
+    chosen = library;
+    if (chosen == nullptr && innermost != nullptr) {
+      Py_INCREF(innermost);
+      chosen = innermost;
+    }
+  }
+  int64_t site = kNoFrame;
+  if (chosen != nullptr) {
+    site = intern(chosen, innermost);
+    Py_DECREF(chosen);
+  }
+#if PY_VERSION_HEX >= 0x030A0000
+  if (collecting) {
+    PyGC_Enable();
+  }
+#endif
   PyErr_Restore(type, value, traceback);
   if (!held) {
     PyGILState_Release(state);
@@ -195,12 +276,19 @@ void clear_sites() {
   for (auto& [code, line] : sites) {
     Py_DECREF(code);
   }
-  for (auto& [code, user] : user_code) {
+  for (auto& stack : stacks) {
+    for (auto& [code, line] : stack) {
+      Py_DECREF(code);
+    }
+  }
+  for (auto& [code, kind] : code_kinds) {
     Py_DECREF(code);
   }
   sites.clear();
+  stacks.clear();
   site_ids.clear();
-  user_code.clear();
+  code_kinds.clear();
+  Py_CLEAR(rule);
 }
 #else
 int64_t python_site() { return kNoSite; }
@@ -433,27 +521,20 @@ int torchmem_self_test(int64_t n) {
 }
 
 // Starts a recording: clears the log and, with sites != 0, records each allocation's site.
-// `prefixes` holds one source-file prefix per line, "+" (user code) or "-" (not), the
-// longest matching one deciding. Call with the GIL held (ctypes.PyDLL).
-void torchmem_record_start(int with_sites, const char* prefix_lines) {
+// `match` is the rule that tells what a code object is (torchmem.records.frames.pattern's
+// match method). Call with the GIL held (ctypes.PyDLL).
+#ifdef TORCHMEM_PYTHON
+void torchmem_record_start(int with_sites, PyObject* match) {
+#else
+void torchmem_record_start(int with_sites, void*) {
+#endif
   std::lock_guard<std::mutex> lock(log_mutex);
   events.clear();
   live.clear();
 #ifdef TORCHMEM_PYTHON
   clear_sites();
-  prefixes.clear();
-  std::string all(prefix_lines ? prefix_lines : "");
-  size_t start = 0;
-  while (start < all.size()) {
-    size_t end = all.find('\n', start);
-    if (end == std::string::npos) {
-      end = all.size();
-    }
-    if (end > start + 1) {
-      prefixes.emplace_back(all.substr(start + 1, end - start - 1), all[start] == '+');
-    }
-    start = end + 1;
-  }
+  Py_XINCREF(match);
+  rule = match;
 #else
   with_sites = 0;
 #endif
@@ -504,12 +585,26 @@ int torchmem_record_has_sites() {
 }
 
 #ifdef TORCHMEM_PYTHON
-// Site i as a new (code object, line) tuple, or None. Call with the GIL held.
+// Site i as a new (code object, line, stack) tuple, the stack a tuple of (code object,
+// line), innermost first; None for no such site. Call with the GIL held.
 PyObject* torchmem_record_site(int64_t i) {
   if (i < 0 || i >= static_cast<int64_t>(sites.size())) {
     Py_RETURN_NONE;
   }
-  return Py_BuildValue("(Oi)", sites[i].first, sites[i].second);
+  const Frames& frames = stacks[i];
+  PyObject* stack = PyTuple_New(static_cast<Py_ssize_t>(frames.size()));
+  if (stack == nullptr) {
+    return nullptr;
+  }
+  for (size_t k = 0; k < frames.size(); ++k) {
+    PyObject* frame = Py_BuildValue("(Oi)", frames[k].first, frames[k].second);
+    if (frame == nullptr) {
+      Py_DECREF(stack);
+      return nullptr;
+    }
+    PyTuple_SET_ITEM(stack, static_cast<Py_ssize_t>(k), frame);
+  }
+  return Py_BuildValue("(OiN)", sites[i].first, sites[i].second, stack);
 }
 #endif
 

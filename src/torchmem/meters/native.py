@@ -25,10 +25,16 @@ from types import CodeType
 import torch
 
 from torchmem.errors import TorchmemError
+from torchmem.records import frames
 
 SOURCE = Path(__file__).with_name("cpu_allocator.cpp")
 COUNTERS = ("current", "peak", "allocated", "freed", "allocations", "frees", "adopted")
 """The library's int64 counters, in the order it lays them out."""
+NO_PYTHON_SITE = -2
+"""The site index of an allocation made by a thread Python does not know (PyTorch's
+intra-op workers, autograd's threads for GPUs)."""
+NO_FRAME_SITE = -3
+"""The site index of an allocation made with no Python frame on the thread's stack."""
 _SELF_TEST_BYTES = 4096
 _INSTALL_ERRORS = {1: "another CPU allocator than PyTorch's default is installed"}
 
@@ -54,7 +60,7 @@ class CpuAllocatorLibrary:
         self._lib = lib
         # The recording's functions touch Python objects: called with the GIL held.
         self._py = ctypes.PyDLL(str(path))
-        self._py.torchmem_record_start.argtypes = [ctypes.c_int, ctypes.c_char_p]
+        self._py.torchmem_record_start.argtypes = [ctypes.c_int, ctypes.py_object]
         self._py.torchmem_record_stop.restype = ctypes.c_int64
         self._py.torchmem_record_count.restype = ctypes.c_int64
         self._py.torchmem_record_events.restype = ctypes.c_int64
@@ -89,11 +95,12 @@ class CpuAllocatorLibrary:
         counted already, or not made by PyTorch's CPU allocator)."""
         return int(self._lib.torchmem_adopt(storage_key))
 
-    def record_start(self, sites: bool, prefixes: dict[str, bool]) -> int:
+    def record_start(self, sites: bool) -> int:
         """Start logging every allocation and free (see :meth:`record_stop`), with the
-        allocation's site where `sites` is true: the innermost frame whose file is the
-        user's, decided by the longest of `prefixes` (path prefix -> is the user's code)
-        that the file starts with; a file matching none is the user's.
+        allocation's site where `sites` is true: the frame that the rule of
+        :mod:`torchmem.records.frames` picks from the allocating thread's Python stack (the
+        library calls that rule's regular expression on each new code object). A thread
+        Python does not know has no site (:data:`NO_PYTHON_SITE`).
 
         Recordings may nest and overlap (a ``torchmem.record()`` inside ``torchmem run``,
         or inside a test the pytest plugin records): they share one log, which starts
@@ -105,8 +112,7 @@ class CpuAllocatorLibrary:
                 if sites:
                     self._py.torchmem_record_sites()
             else:
-                lines = "".join(f"{'+' if mine else '-'}{p}\n" for p, mine in prefixes.items())
-                self._py.torchmem_record_start(int(sites), lines.encode())
+                self._py.torchmem_record_start(int(sites), frames.pattern().match)
                 first = 0
             self._recordings += 1
         return first
@@ -115,8 +121,9 @@ class CpuAllocatorLibrary:
         """Stop the recording whose events begin at `first` (what :meth:`record_start`
         returned); return its events as an int64 tensor of shape (events, 5): time
         (``time.monotonic_ns()``'s clock), data pointer, bytes (negative for a free), site
-        index (negative: none) and the index, in this tensor, of the matching free or
-        allocation (-1: none, the other one is outside this recording).
+        index (:data:`NO_PYTHON_SITE`, :data:`NO_FRAME_SITE`, or -1: none) and the index, in this
+        tensor, of the matching free or allocation (-1: none, the other one is outside this
+        recording).
         """
         with self._recordings_lock:
             # Never below 0: in a child made by fork, recordings started before it end.
@@ -134,12 +141,16 @@ class CpuAllocatorLibrary:
             log[:, 4] = torch.where(inside, other - first, -1)
         return log
 
-    def record_site(self, index: int) -> tuple[CodeType, int] | None:
-        """Site `index` of the last recording: its code object and line, or None."""
+    def record_site(
+        self, index: int
+    ) -> tuple[CodeType, int, tuple[tuple[CodeType, int], ...]] | None:
+        """Site `index` of the last recording: the code object and line of the frame that
+        names it, and the Python stack first seen there as (code object, line), innermost
+        first; None where there is no such site."""
         if not self.records_sites:
             return None
         found = self._py.torchmem_record_site(index)
-        return None if found is None else (found[0], found[1])
+        return None if found is None else (found[0], found[1], found[2])
 
     def record_clear(self) -> None:
         """Free the log and the sites, once no recording shares them."""

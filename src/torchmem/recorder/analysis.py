@@ -4,26 +4,30 @@ The bytes in use after each event are the start's plus a running sum; the peak i
 first event where that sum is highest. An allocation is alive at the peak when it was
 made at or before it and freed after it (or never). Each allocation's category is the
 first of :data:`~torchmem.records.run.CATEGORIES` that a mark gave the storage at its
-address while it was alive.
+address while it was alive. An allocation autograd's engine made (site
+:data:`~torchmem.records.frames.BACKWARD`, or no Python frame while a backward pass ran)
+is named after the innermost module whose backward pass was running then.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from torchmem.meters.native import NO_PYTHON_SITE
 from torchmem.recorder.hooks import OTHER, Interval, Mark, Watcher
 from torchmem.recorder.sources import NO_SITE, Laps, Log
+from torchmem.records.frames import BACKWARD, NO_PYTHON, SiteKey
 from torchmem.records.run import CATEGORIES, DeviceRun, Held, ModulePeak, Site
 
 BUCKETS = 200
 """Intervals in the timeline of a device with an event log."""
-_PSEUDO = {-2: "<no Python frame>", -3: "<no user frame>"}
-"""Files standing for sites the log could not place (see ``cpu_allocator.cpp``)."""
+_PSEUDO = {NO_PYTHON_SITE: (NO_PYTHON, 0, "")}
+"""Sites standing for site indices the log could not place."""
 BEFORE = "<before recording>"
 
 
@@ -120,7 +124,7 @@ def device_run(
     log: Log,
     marks: Sequence[Mark],
     stop: int,
-    namer: Callable[[tuple[Any, ...] | None], str | None],
+    namer: Names,
     variables: dict[int, str],
     top: int,
 ) -> tuple[DeviceRun, Replay]:
@@ -128,7 +132,7 @@ def device_run(
 
     Args:
         stop: ``time.monotonic_ns()`` when the recording stopped.
-        namer: turns a mark's name into a name (None: no name).
+        namer: turns a mark's name into a name (None: no name), and names backward passes.
         variables: address -> name of a variable holding that storage at the end.
         top: how many sites and allocations to keep.
     """
@@ -145,7 +149,7 @@ def device_run(
         timeline=_timeline(replay, log.start, stop),
         categories_at_peak=_categories(replay, k),
         categories_at_end=_categories(replay, end),
-        sites_at_peak=_sites(replay, k, top),
+        sites_at_peak=_sites(replay, k, top, namer),
         largest_at_peak=_largest(replay, k, namer, variables, top),
         reserved_peak_bytes=log.reserved_peak,
     )
@@ -167,24 +171,35 @@ def _categories(replay: Replay, k: int) -> dict[str, int]:
     return dict(zip(CATEGORIES, totals, strict=True))
 
 
-def _sites(replay: Replay, k: int, top: int) -> tuple[Site, ...]:
+def _keys(replay: Replay, indices: list[int], names: Names) -> list[tuple[str, int, str] | None]:
+    """The site of each allocation event of `indices` (None: not recorded), those
+    autograd's engine made named after the module whose backward pass ran then."""
+    log = replay.log
+    keys: list[tuple[str, int, str] | None] = []
+    engine = []
+    for position, site in enumerate(log.events[indices, 3].tolist()):
+        key = log.sites.get(site) if site >= 0 else _PSEUDO.get(site)
+        if key is not None and key[0] in (BACKWARD, NO_PYTHON):
+            engine.append(position)
+        keys.append(key)
+    times = [int(replay.times[indices[p]]) for p in engine]
+    for position, name in zip(engine, names.backward(times), strict=True):
+        if name is not None:
+            keys[position] = SiteKey((name, 0, ""), getattr(keys[position], "stack", ()))
+    return keys
+
+
+def _sites(replay: Replay, k: int, top: int, names: Names) -> tuple[Site, ...]:
     alive = replay.alive(k)
     if not alive:
         return ()
-    index = torch.tensor(alive, dtype=torch.int64)
-    site = replay.log.events[index, 3]
-    if bool((site == NO_SITE).all()):
+    if bool((replay.log.events[alive, 3] == NO_SITE).all()):
         return ()  # sites were not recorded
-    totals: dict[int, int] = {}
-    for s, size in zip(site.tolist(), replay.sizes[index].tolist(), strict=True):
-        totals[s] = totals.get(s, 0) + size
-    found = []
-    for s, size in totals.items():
-        if s >= 0:
-            file, line, function = replay.log.sites[s]
-            found.append(Site(file, line, function, size))
-        elif s in _PSEUDO:
-            found.append(Site(_PSEUDO[s], 0, "", size))
+    totals: dict[tuple[str, int, str], int] = {}
+    for key, size in zip(_keys(replay, alive, names), replay.sizes[alive].tolist(), strict=True):
+        if key is not None:
+            totals[key] = totals.get(key, 0) + size
+    found = [Site(*key, size, getattr(key, "stack", ())) for key, size in totals.items()]
     before, _ = replay.baseline_alive(k)
     if before:
         found.append(Site(BEFORE, 0, "", before))
@@ -195,7 +210,7 @@ def _sites(replay: Replay, k: int, top: int) -> tuple[Site, ...]:
 def _largest(
     replay: Replay,
     k: int,
-    namer: Callable[[tuple[Any, ...] | None], str | None],
+    namer: Names,
     variables: dict[int, str],
     top: int,
 ) -> tuple[Held, ...]:
@@ -203,13 +218,12 @@ def _largest(
     alive = replay.alive(k)
     alive.sort(key=lambda i: int(replay.sizes[i]), reverse=True)
     held = []
-    for index in alive[:top]:
-        ptr, size, site, other = (int(v) for v in events[index, 1:])
+    for index, key in zip(alive[:top], _keys(replay, alive[:top], namer), strict=True):
+        ptr, size, _, other = (int(v) for v in events[index, 1:])
         named = replay.named.get(index)
         where = None
-        if site >= 0:
-            file, line, _ = replay.log.sites[site]
-            where = f"{file}:{line}"
+        if key is not None and key[0] != NO_PYTHON:
+            where = f"{key[0]}:{key[1]}" if key[1] else key[0]
         name = namer(named.name) if named is not None else None
         if name is None and other < 0:
             name = variables.get(ptr)
@@ -297,11 +311,14 @@ def module_peaks(
 
 class Names:
     """Names of the modules and parameters a :class:`Watcher` saw, from the outermost
-    modules called; called with a mark's name, the name a report shows."""
+    modules called; called with a mark's name, the name a report shows. Also names the
+    backward passes the watcher saw (:meth:`backward`)."""
 
     def __init__(self, watcher: Watcher) -> None:
         self.modules: dict[int, str] = {}
         self.params: dict[int, str] = {}
+        self._types = {key: type(module).__name__ for key, module in watcher.modules.items()}
+        self._backward = sorted((i.start, i.end, i.module) for i in watcher.intervals if i.backward)
         several = len(watcher.roots) > 1
         for root in watcher.roots:
             prefix = type(root).__name__ if several else ""
@@ -326,6 +343,24 @@ class Names:
         if kind == "saved":
             return f"saved by {self.modules.get(name[1]) or 'the model'}"
         return None
+
+    def backward(self, times: list[int]) -> list[str | None]:
+        """For each of `times` (``time.monotonic_ns()``), ``backward of <module>`` for the
+        innermost module whose backward pass was running then, else None."""
+        found: list[str | None] = [None] * len(times)
+        running: list[tuple[int, int, int]] = []  # nested: the innermost last
+        i = 0
+        for position in sorted(range(len(times)), key=times.__getitem__):
+            now = times[position]
+            while i < len(self._backward) and self._backward[i][0] <= now:
+                running.append(self._backward[i])
+                i += 1
+            while running and running[-1][1] < now:
+                running.pop()
+            if running:
+                key = running[-1][2]
+                found[position] = f"backward of {self.modules.get(key) or self._types[key]}"
+        return found
 
 
 def _join(prefix: str, name: str) -> str:

@@ -1,7 +1,7 @@
 """Where a recording's numbers come from, per device.
 
 - CPU tensors: the counting CPU allocator's event log (every allocation and free, with
-  the allocating line of the user's code), see :mod:`torchmem.meters.native`.
+  the allocating line of the user's code and its stack), see :mod:`torchmem.meters.native`.
 - CUDA: PyTorch's own allocator history (``torch.cuda.memory._record_memory_history``),
   which records the Python stack of each allocation inside the caching allocator, at a
   lower cost than anything done from outside it.
@@ -11,8 +11,6 @@
 
 from __future__ import annotations
 
-import os
-import sysconfig
 import threading
 import time
 from dataclasses import dataclass, field
@@ -21,9 +19,19 @@ from typing import Any
 
 import torch
 
-from torchmem._compat import cuda_history_start, cuda_history_stop
 from torchmem.meters import Meter, Window, meter
 from torchmem.meters.cpu import CpuAllocatorMeter, live_storages
+from torchmem.meters.native import NO_FRAME_SITE, NO_PYTHON_SITE
+from torchmem.recorder import history
+from torchmem.records.frames import (
+    BACKWARD,
+    ENGINE,
+    SiteKey,
+    code_name,
+    kind,
+    own_file,
+    stack_site,
+)
 
 NO_SITE = -1
 """A site index for an allocation whose site was not recorded."""
@@ -48,34 +56,15 @@ class Log:
     """int64, one row per event: time (``time.monotonic_ns()``), address, bytes (negative:
     a free), site index (negative: none), index of the matching free or allocation (-1:
     none; a free of memory allocated before the recording)."""
-    sites: dict[int, tuple[str, int, str]]
-    """Site index -> (file, line, function)."""
+    sites: dict[int, SiteKey]
+    """Site index -> (file, line, function), carrying the Python stack first seen there
+    (:mod:`torchmem.records.frames`); :data:`~torchmem.records.frames.BACKWARD` for
+    allocations autograd's engine made. Index :data:`NO_PYTHON_SITE`: no Python frame (a thread
+    Python does not know: intra-op workers)."""
     baseline: dict[int, int] = field(default_factory=dict)
     """Address -> bytes of the storages Python could see when the recording started."""
     reserved_peak: int | None = None
     """CUDA: the caching allocator's highest reserved bytes."""
-
-
-def user_prefixes() -> dict[str, bool]:
-    """Path prefixes, mapped to whether files under them are the user's code: PyTorch,
-    torchmem and Python's standard library are not, installed packages are. The longest
-    matching prefix decides; a file under none is the user's."""
-    paths = sysconfig.get_paths()
-    prefixes = {paths[key]: False for key in ("stdlib", "platstdlib") if key in paths}
-    prefixes.update({paths[key]: True for key in ("purelib", "platlib") if key in paths})
-    prefixes[os.path.dirname(torch.__file__)] = False
-    prefixes[os.path.dirname(os.path.dirname(__file__))] = False  # torchmem
-    prefixes["<frozen "] = False
-    return prefixes
-
-
-def is_user_file(filename: str, prefixes: dict[str, bool]) -> bool:
-    """Whether `filename` is the user's code, by :func:`user_prefixes`."""
-    longest, mine = -1, True
-    for prefix, user in prefixes.items():
-        if len(prefix) > longest and filename.startswith(prefix):
-            longest, mine = len(prefix), user
-    return mine
 
 
 class CpuLog:
@@ -99,7 +88,7 @@ class CpuLog:
         assert isinstance(self.meter, CpuAllocatorMeter)
         self._baseline = {s.data_ptr(): s.nbytes() for s in live_storages()}
         library = self.meter.library
-        self._first = library.record_start(self.sites and library.records_sites, user_prefixes())
+        self._first = library.record_start(self.sites and library.records_sites)
         self._base = self.meter.used()
         self._start = time.monotonic_ns()
 
@@ -113,12 +102,19 @@ class CpuLog:
                 found = library.record_site(index)
                 if found is not None:
                     sites[index] = _site(*found)
+        events[:, 3][events[:, 3] == NO_FRAME_SITE] = NO_PYTHON_SITE
         library.record_clear()
         return Log("cpu", self._base, self._start, events, sites, self._baseline)
 
 
-def _site(code: CodeType, line: int) -> tuple[str, int, str]:
-    return code.co_filename, line, getattr(code, "co_qualname", code.co_name)  # 3.11+
+def _site(code: CodeType, line: int, stack: tuple[tuple[CodeType, int], ...]) -> SiteKey:
+    """A site of the CPU log: its frame, :data:`BACKWARD` where that is autograd engine's
+    entry point; torchmem's own frames are left out of its stack."""
+    frames = tuple((c.co_filename, n, code_name(c)) for c, n in stack)
+    kept = tuple(f for f in frames if not own_file(f[0]))
+    if kind(code.co_filename, code.co_name) == ENGINE:
+        return SiteKey((BACKWARD, 0, ""), kept)
+    return SiteKey((code.co_filename, line, code_name(code)), kept)
 
 
 class CudaLog:
@@ -136,56 +132,71 @@ class CudaLog:
         self.history: dict[str, Any] | None = None
         """PyTorch's allocator history at the stop (``_snapshot()``'s dictionary), kept
         for :meth:`Recording.save_snapshot`."""
+        self.notes: list[str] = []
+        """What the history could not tell, in sentences for the report."""
+        self._lease: history.HistoryLease | None = None
 
     def start(self) -> None:
         self._windows = [m.window() for m in self.meters]  # for the reserved peak
         self._bases = [m.used() for m in self.meters]
         self._start, self._wall = time.monotonic_ns(), time.time_ns()
-        cuda_history_start(self.sites, CUDA_ENTRIES)
+        self._lease = history.acquire(self.sites, CUDA_ENTRIES)
 
     def stop(self) -> list[Log]:
-        snapshot = cuda_history_stop(None)
+        assert self._lease is not None
+        snapshot = self._lease.release()
         self.history = snapshot
+        self.notes = self._lease.notes
         traces = snapshot.get("device_traces", [])
-        prefixes = user_prefixes()
+        for index, gap in self._lease.lost.items():
+            if index in self.indices:
+                self.notes.append(
+                    f"PyTorch's CUDA memory history kept only its last"
+                    f" {len(traces[index]):,} actions on cuda:{index}: the first {gap:.2f}s"
+                    " of the recording are missing from it, so its peak and sites there may"
+                    " be low."
+                )
         logs = []
         for index, window, base in zip(self.indices, self._windows, self._bases, strict=True):
             window.close()
             trace = traces[index] if index < len(traces) else []
-            events, sites = cuda_events(trace, self._start, self._wall, prefixes)
+            events, sites = cuda_events(trace, self._start, self._wall)
             reserved = window.peak("reserved_bytes.all")
             logs.append(Log(f"cuda:{index}", base, self._start, events, sites, {}, reserved))
         return logs
 
 
 def cuda_events(
-    trace: list[dict[str, object]], start: int, wall: int, prefixes: dict[str, bool]
-) -> tuple[torch.Tensor, dict[int, tuple[str, int, str]]]:
+    trace: list[dict[str, Any]], start: int, wall: int
+) -> tuple[torch.Tensor, dict[int, SiteKey]]:
     """A CUDA allocator history's trace (``_snapshot()["device_traces"][i]``) as the rows
-    of :attr:`Log.events`, and its sites. Entries before `wall` (``time.time_ns()`` when
-    the recording started, `start` on the monotonic clock) are left out; an allocation
-    counts from ``alloc``, a free from ``free_completed`` (when ``memory_allocated``
-    drops)."""
+    of :attr:`Log.events`, and its sites (:func:`~torchmem.records.frames.stack_site` of
+    each allocation's frames). Entries before `wall` (``time.time_ns()`` when the recording
+    started, `start` on the monotonic clock) are left out; an allocation counts from
+    ``alloc``, a free from ``free_completed`` (when ``memory_allocated`` drops)."""
     rows: list[list[int]] = []
     sites: dict[tuple[str, int, str], int] = {}
+    keys: dict[int, SiteKey] = {}
+    picked: dict[int, int] = {}  # id() of a frames list, which the trace holds meanwhile
     live: dict[int, int] = {}
     for entry in trace:
         action = entry.get("action")
         if action not in ("alloc", "free_completed"):
             continue
-        when = int(entry.get("time_us", 0)) * 1000  # type: ignore[call-overload]
+        when = int(entry.get("time_us", 0)) * 1000
         if when and when < wall:
             continue
         at = start + (when - wall if when else 0)
-        address = int(entry["addr"])  # type: ignore[call-overload]
-        size = int(entry["size"])  # type: ignore[call-overload]
+        address = int(entry["addr"])
+        size = int(entry["size"])
         if action == "alloc":
-            site = NO_SITE
-            for frame in entry.get("frames", []):  # type: ignore[attr-defined]
-                if is_user_file(frame["filename"], prefixes):
-                    key = (frame["filename"], int(frame["line"]), frame["name"])
-                    site = sites.setdefault(key, len(sites))
-                    break
+            frames = entry.get("frames") or []
+            site = picked.get(id(frames), NO_SITE)
+            if frames and site == NO_SITE:
+                listed = [(f["filename"], int(f["line"]), f["name"]) for f in frames]
+                key = SiteKey(*stack_site(listed))
+                site = picked[id(frames)] = sites.setdefault(key, len(sites))
+                keys.setdefault(site, key)
             live[address] = len(rows)
             rows.append([at, address, size, site, -1])
         else:
@@ -194,7 +205,7 @@ def cuda_events(
                 rows[other][4] = len(rows)
             rows.append([at, address, -size, NO_SITE, other])
     events = torch.tensor(rows, dtype=torch.int64).reshape(-1, 5)
-    return events, {index: key for key, index in sites.items()}
+    return events, keys
 
 
 class Laps:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from torchmem.errors import require
+from torchmem.records.frames import Stack
 from torchmem.records.run import CATEGORIES, DeviceRun, Held, ModulePeak, RunRecord, Site
 from torchmem.render.text import table
 from torchmem.units import readable_size
@@ -56,6 +57,9 @@ class Section:
     left: tuple[int, ...] = (0,)
     header: tuple[str, ...] | None = None
     more: str = ""
+    stacks: Sequence[Stack] = ()
+    """Per row, the stack of the site in its second cell: HTML shows it on demand (a
+    ``<details>`` in that cell); text leaves it out."""
 
 
 def _seconds(value: float) -> str:
@@ -134,6 +138,7 @@ def _sites(run: DeviceRun, top: int) -> Section | None:
         rows,
         left=(1, 2),
         more=_more(len(hidden), "site", sum(s.bytes for s in hidden)),
+        stacks=[s.stack for s in shown],
     )
 
 
@@ -382,16 +387,35 @@ def _cell(tag: str, value: str, left: bool) -> str:
     return f"<{tag}{_LEFT if left else ''}>{markup.escape(value)}</{tag}>"
 
 
-def section_html(section: Section) -> str:
-    """`section` as HTML: an ``<h4>`` title, a table, and a paragraph on what was left out."""
+def _stack_cell(value: str, stack: Stack) -> str:
+    """A site's cell whose stack opens on a click: no script, a ``<details>``."""
+    frames = "".join(
+        f"<li><code>{markup.escape(f'{file}:{line}')}</code> {markup.escape(function)}</li>"
+        for file, line, function in stack
+    )
+    return (
+        f"<td{_LEFT}><details><summary>{markup.escape(value)}</summary>"
+        f'<ol style="margin: 2px 0; text-align: left">{frames}</ol></details></td>'
+    )
 
-    def row(cells: tuple[str, ...], tag: str) -> str:
-        inner = "".join(_cell(tag, c, i in section.left) for i, c in enumerate(cells))
+
+def section_html(section: Section) -> str:
+    """`section` as HTML: an ``<h4>`` title, a table, and a paragraph on what was left out.
+    A row's stack, where it has one, opens under its site on a click."""
+
+    def row(cells: tuple[str, ...], tag: str, stack: Stack = ()) -> str:
+        inner = "".join(
+            _stack_cell(c, stack) if i == 1 and stack else _cell(tag, c, i in section.left)
+            for i, c in enumerate(cells)
+        )
         return f"<tr>{inner}</tr>"
 
     title = f"<h4>{markup.escape(section.title)}</h4>" if section.title else ""
     head = f"<thead>{row(section.header, 'th')}</thead>" if section.header else ""
-    body = "".join(row(cells, "td") for cells in section.rows)
+    stacks = list(section.stacks) or [()] * len(section.rows)
+    body = "".join(
+        row(cells, "td", stack) for cells, stack in zip(section.rows, stacks, strict=True)
+    )
     more = f"<p>{markup.escape(section.more)}</p>" if section.more else ""
     table = f'<table style="border-collapse: collapse">{head}<tbody>{body}</tbody></table>'
     return f"{title}{table}{more}"

@@ -90,6 +90,7 @@ def _sites(device: DeviceSnapshot, top: int) -> Section | None:
         rows,
         left=(1, 2),
         more=_more(len(sites) - top, "site"),
+        stacks=[s.stack for s in sites[:top]],
     )
 
 

@@ -346,21 +346,26 @@ class Names:
 
     def backward(self, times: list[int]) -> list[str | None]:
         """For each of `times` (``time.monotonic_ns()``), ``backward of <module>`` for the
-        innermost module whose backward pass was running then, else None."""
+        innermost module whose backward pass was running then, else None. Modules that
+        share an output run their backward passes at once: the deepest name is the
+        innermost."""
         found: list[str | None] = [None] * len(times)
-        running: list[tuple[int, int, int]] = []  # nested: the innermost last
+        running: list[tuple[int, int, int]] = []
         i = 0
         for position in sorted(range(len(times)), key=times.__getitem__):
             now = times[position]
             while i < len(self._backward) and self._backward[i][0] <= now:
                 running.append(self._backward[i])
                 i += 1
-            while running and running[-1][1] < now:
-                running.pop()
+            running = [r for r in running if r[1] >= now]
             if running:
-                key = running[-1][2]
+                key = max(running, key=lambda r: (self._depth(r[2]), r[0]))[2]
                 found[position] = f"backward of {self.modules.get(key) or self._types[key]}"
         return found
+
+    def _depth(self, key: int) -> int:
+        name = self.modules.get(key, "")
+        return name.count(".") + 1 if name else 0
 
 
 def _join(prefix: str, name: str) -> str:

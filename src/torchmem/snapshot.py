@@ -204,6 +204,27 @@ class _Entry(NamedTuple):
     device_free: int | None
 
 
+_Stacks = dict[int | tuple[int, ...], tuple[str, int, str]]
+"""Sites by frames list (its id) and by stack (the ids of its frame dicts): a snapshot
+shares its frame dicts (hundreds for millions of frames) and many of its lists, so its
+thousands of allocations have a few hundred stacks; each stack's site is found once. The
+ids hold while the snapshot is read."""
+
+
+def _stack_site(
+    frames: object, stacks: _Stacks, find: Callable[..., tuple[str, int, str]], *args: Any
+) -> tuple[str, int, str]:
+    """The site of `frames` from `stacks`, else ``find(*args)``, kept there."""
+    if type(frames) is not list or not frames:
+        return find(*args)
+    stack = tuple(map(id, frames))
+    key = stacks.get(stack)
+    if key is None:
+        key = stacks[stack] = find(*args)
+    stacks[id(frames)] = key
+    return key
+
+
 class _Reader:
     """Reads a snapshot's dicts into records, with an error naming the bad part."""
 
@@ -272,8 +293,9 @@ class _Reader:
             self.fail("it has no list of 'segments'")
         segments: dict[int, list[Segment]] = {}
         sites: dict[int, dict[tuple[str, int, str], int]] = {}
+        stacks: _Stacks = {}
         for i, raw in enumerate(data["segments"]):
-            segment = self.segment(raw, f"segment {i}", sites)
+            segment = self.segment(raw, f"segment {i}", sites, stacks)
             segments.setdefault(segment.device, []).append(segment)
         traces = self.items(data, "device_traces", "it")
         settings = data.get("allocator_settings")
@@ -296,19 +318,37 @@ class _Reader:
                 _sites(sites.get(index, {})),
             )
             trace = self.trace(traces[index] if index < len(traces) else [], index, expandable)
-            found[index] = _replayed(device, trace, self.entry_site) if trace.raw else device
+            if trace.raw:
+                device = _replayed(device, trace, self.entry_site, stacks)
+            found[index] = device
         return found
 
     def segment(
-        self, raw: object, where: str, sites: dict[int, dict[tuple[str, int, str], int]]
+        self,
+        raw: object,
+        where: str,
+        sites: dict[int, dict[tuple[str, int, str], int]],
+        stacks: _Stacks,
     ) -> Segment:
-        device = self.field(raw, "device", where, int, 0)
-        address = self.field(raw, "address", where, int)
+        # The checks of field(), inline: a snapshot has thousands of segments and blocks.
+        if type(raw) is dict:
+            get = raw.get
+            device, address, total = get("device", 0), get("address"), get("total_size")
+            stream, kind, items = get("stream", 0), get("segment_type"), get("blocks", [])
+        if not (
+            type(raw) is dict
+            and type(device) is int
+            and type(address) is int
+            and type(items) is list
+            and type(total) is int
+            and type(stream) is int
+            and (kind is None or type(kind) is str)
+        ):
+            self.bad_segment(raw, where)
         blocks = []
         at = address
         allocated = pending = largest = 0
-        for j, block in enumerate(self.items(raw, "blocks", where)):
-            # The checks of field(), inline: a snapshot has thousands of blocks.
+        for j, block in enumerate(items):
             if type(block) is dict:
                 size, state, at = block.get("size"), block.get("state"), block.get("address", at)
             if not (type(block) is dict and type(size) is int and type(state) is str):
@@ -323,24 +363,27 @@ class _Reader:
                 if frames is None and block.get("history"):  # older PyTorch, as it reads them
                     here = f"{where}, block {j}"
                     frames = self.field(block["history"][0], "frames", here, list, [])
-                key = self.site(frames or [], f"{where}, block {j}")
+                key = stacks.get(id(frames)) or _stack_site(
+                    frames, stacks, self.site, frames or [], f"{where}, block {j}"
+                )
                 own = sites.setdefault(device, {})
                 own[key] = own.get(key, 0) + size
             elif state == "active_pending_free":
                 pending += size
-            elif state == "inactive":
-                largest = max(largest, size)
-        return Segment(
-            device,
-            address,
-            self.field(raw, "total_size", where, int),
-            allocated,
-            allocated + pending,
-            largest,
-            self.field(raw, "stream", where, int, 0),
-            self.field(raw, "segment_type", where, (str, type(None))),
-            tuple(blocks),
-        )
+            elif state == "inactive" and size > largest:
+                largest = size
+        active, held = allocated + pending, tuple(blocks)
+        return Segment(device, address, total, allocated, active, largest, stream, kind, held)
+
+    def bad_segment(self, raw: object, where: str) -> NoReturn:
+        """Fail with what is wrong with a segment that is not as it should be."""
+        self.field(raw, "device", where, int, 0)
+        self.field(raw, "address", where, int)
+        self.items(raw, "blocks", where)
+        self.field(raw, "total_size", where, int)
+        self.field(raw, "stream", where, int, 0)
+        self.field(raw, "segment_type", where, (str, type(None)))
+        self.fail(f"{where} is not a segment")
 
     def bad_block(self, block: object, where: str) -> NoReturn:
         """Fail with what is wrong with a segment's block that is not as it should be."""
@@ -361,31 +404,34 @@ class _Reader:
     def trace(self, raw: object, device: int, expandable: bool = False) -> _Trace:
         if not isinstance(raw, list):
             self.fail(f"the trace of device {device} is a {type(raw).__name__}, not a list")
-        events = []
+        events: list[tuple[int, int, int, int, int]] = []
         ooms = []
-        kinds = KINDS.get
+        kinds, append = KINDS.get, events.append
         for k, entry in enumerate(raw):
             # The checks of field(), inline: a trace has up to a million entries.
             if type(entry) is not dict:
                 self.bad_entry(entry, f"entry {k} of the trace of device {device}")
             get = entry.get
-            action = get("action")
-            time_us = get("time_us", 0)
-            address = get("addr", 0)
-            size = get("size", 0)
-            free = get("device_free")
+            action, time_us, address, size = (
+                get("action"),
+                get("time_us", 0),
+                get("addr", 0),
+                get("size", 0),
+            )
             if not (
                 type(action) is str
                 and type(time_us) is int
                 and type(address) is int
                 and type(size) is int
-                and (free is None or type(free) is int)
             ):
                 self.bad_entry(entry, f"entry {k} of the trace of device {device}")
             kind = kinds(action)
             if kind is not None:
-                events.append((kind, address, size, time_us, k))
+                append((kind, address, size, time_us, k))
             elif action == "oom":
+                free = get("device_free")
+                if free is not None and type(free) is not int:
+                    self.bad_entry(entry, f"entry {k} of the trace of device {device}")
                 ooms.append(k)
         end = next((t for t in (e.get("time_us", 0) for e in reversed(raw)) if t), 0)
         start = raw[0].get("time_us", 0) if raw else 0
@@ -432,7 +478,10 @@ class _Trace(NamedTuple):
 
 
 def _replayed(
-    device: DeviceSnapshot, trace: _Trace, site: Callable[[_Entry], tuple[str, int, str]]
+    device: DeviceSnapshot,
+    trace: _Trace,
+    site: Callable[[_Entry], tuple[str, int, str]],
+    stacks: _Stacks,
 ) -> DeviceSnapshot:
     """`device` with the peak, timeline, sites at the peak and OOM of its trace, all in
     block bytes (:func:`~torchmem.records.caching.trace_blocks`)."""
@@ -449,12 +498,19 @@ def _replayed(
     peak_at = -1  # the index in `events` after which the peak held; -1: the start
     points: list[tuple[float, int]] = [(0.0, 0)]  # (seconds or entry number, bytes)
     when = peak_when = 0.0
-    for k, (kind, _, _, time_us, entry) in enumerate(events):
-        if kind > 1:
+    start, append = trace.start, points.append
+    for k, ((kind, _, _, time_us, entry), nbytes) in enumerate(zip(events, blocks, strict=True)):
+        if kind == 0:
+            running += nbytes
+        elif kind == 1:
+            running -= nbytes
+        else:
             continue
-        running += blocks[k] if kind == 0 else -blocks[k]
-        when = trace.seconds(time_us, when) if timed else entry + 1
-        points.append((when, running))
+        if not timed:
+            when = entry + 1
+        elif time_us:
+            when = (time_us - start) / 1e6
+        append((when, running))
         if running > highest:
             highest, peak_at, peak_when = running, k, when
     base = device.active_bytes - running  # the anchor: the replay ends at the snapshot
@@ -467,7 +523,9 @@ def _replayed(
             live.pop(address, None)
     at_peak: dict[tuple[str, int, str], int] = {}
     for k in live.values():
-        key = site(trace.entry(events[k][4]))
+        entry = events[k][4]
+        frames = trace.raw[entry].get("frames")
+        key = stacks.get(id(frames)) or _stack_site(frames, stacks, site, trace.entry(entry))
         at_peak[key] = at_peak.get(key, 0) + blocks[k]
     unexplained = base + highest - sum(at_peak.values())
     if unexplained > 0:
@@ -515,7 +573,8 @@ def _timeline(
         high = value
         while i < len(ordered) and (ordered[i][0] <= end or k == count - 1):
             value = ordered[i][1]
-            high = max(high, value)
+            if value > high:
+                high = value
             i += 1
         out.append((end, high))
     return tuple(out)

@@ -98,37 +98,50 @@ def trace_blocks(
     sizes: dict[int, int] = {a: n for a, n in in_use if a not in traced}
     used = sorted({a for a, n in sizes.items() if n > SMALL_SIZE} | before)
     starts = sorted(ends)
+    right, insort = bisect.bisect_right, bisect.insort
 
     def room(address: int) -> int | None:
         """Bytes from `address` to the next block in use or its segment's end."""
-        at = bisect.bisect_right(starts, address) - 1
+        at = right(starts, address) - 1
         end = ends[starts[at]] if at >= 0 else address
         if address >= end:
             return None
-        after = bisect.bisect_right(used, address)
+        after = right(used, address)
         return (used[after] if after < len(used) and used[after] < end else end) - address
 
-    out = []
-    for kind, address, size, _, _ in events:
-        nbytes = 0
+    out: list[int] = []
+    append = out.append
+    for kind, address, size, _, _ in events:  # a hot loop: up to a million entries
         if kind == 0:
-            nbytes = round_size(size)
+            nbytes = (size + MIN_BLOCK - 1) // MIN_BLOCK * MIN_BLOCK or MIN_BLOCK
             if nbytes > SMALL_SIZE and not expandable:
-                nbytes = block_bytes(size, room(address))
-                bisect.insort(used, address)
+                # block_bytes(size, room(address)), inline
+                at = right(starts, address) - 1
+                end = ends[starts[at]] if at >= 0 else address
+                if address < end:
+                    after = right(used, address)
+                    stretch = (
+                        used[after] if after < len(used) and used[after] < end else end
+                    ) - address
+                    if nbytes <= stretch <= nbytes + SMALL_SIZE:
+                        nbytes = stretch
+                insort(used, address)
             sizes[address] = nbytes
         elif kind == 1:
-            found = sizes.pop(address, None)
-            nbytes = found or (round_size(size) if expandable else block_bytes(size, room(address)))
-            if found is None or found > SMALL_SIZE:
+            nbytes = sizes.pop(address, 0)
+            if not nbytes or nbytes > SMALL_SIZE:
+                if not nbytes:
+                    nbytes = round_size(size) if expandable else block_bytes(size, room(address))
                 at = bisect.bisect_left(used, address)
                 if at < len(used) and used[at] == address:
                     del used[at]
-        elif kind == 2:
-            bisect.insort(starts, address)
-            ends[address] = address + size
-        elif kind == 3 and address in ends:
-            del starts[bisect.bisect_left(starts, address)]
-            del ends[address]
-        out.append(nbytes)
+        else:
+            nbytes = 0
+            if kind == 2:
+                insort(starts, address)
+                ends[address] = address + size
+            elif kind == 3 and address in ends:
+                del starts[bisect.bisect_left(starts, address)]
+                del ends[address]
+        append(nbytes)
     return out

@@ -634,3 +634,85 @@ def test_the_garbage_collector_is_as_it_was(snapshot_file: Path, enabled: bool) 
         assert gc.isenabled() is enabled
     finally:
         gc.enable()
+
+
+def test_a_trace_without_times_places_its_peak_by_entry() -> None:
+    """No "at 0.00s" and no one-point timeline: the peak is "entry N of M" (counted from
+    1), the timeline runs over entry numbers, and so does the out-of-memory event."""
+    data = snapshot_dict()
+    for entry in data["device_traces"][0]:
+        del entry["time_us"]
+    zero = Snapshot.from_dict(data).devices[0]
+    assert (zero.timed, zero.peak_time, zero.duration) == (False, None, 0.0)
+    assert (zero.peak_bytes, zero.peak_entry, zero.entries) == (13 * MiB, 3, 6)
+    assert zero.timeline == (  # five intervals of the six entries, each ending on one
+        (2, 8 * MiB),  # the start's 8M, then -3M, +2M
+        (3, 13 * MiB),
+        (4, 13 * MiB),  # entry 4 requests the free, entry 5 completes it
+        (5, 13 * MiB),
+        (6, 7 * MiB),
+    )
+    assert zero.oom is not None and zero.oom.entry == 6
+    lines = str(Snapshot.from_dict(data)).splitlines()
+    assert lines[2:4] == [
+        "device  allocated   active  reserved    peak            at",
+        "cuda:0      6.00M    7.00M    12.00M  13.00M  entry 3 of 6",
+    ]
+    assert lines[16].startswith("Out of memory on cuda:0 at entry 6 of 6: asked for 6.00M;")
+    found = Snapshot.from_dict(data).to_json()["devices"]["0"]
+    assert {k: found[k] for k in ("timed", "peak_time_s", "duration_s", "peak_entry")} == {
+        "timed": False,
+        "peak_time_s": None,
+        "duration_s": None,
+        "peak_entry": 3,
+    }
+    assert found["entries"] == 6 and found["oom"]["entry"] == 6
+    assert found["timeline"] == [[end, size] for end, size in zero.timeline]
+    assert "<svg" in Snapshot.from_dict(data)._repr_html_()  # the segment map; no time chart
+
+
+def test_the_peak_counts_blocks_not_requests() -> None:
+    """A 19M request takes a whole new 20M segment (1M would remain: too little to split
+    off in the large pool), a 1,000-byte one a block of 1,024: the peak is 20M + 1,024
+    bytes, as max_memory_allocated() counts, not the 19M + 1,000 requested."""
+    big, small = 0x7F0000000000, 0x7F0002000000
+    data = {
+        "segments": [
+            {
+                "device": 0,
+                "address": big,
+                "total_size": 20 * MiB,
+                "stream": 0,
+                "segment_type": "large",
+                "blocks": [{"address": big, "size": 20 * MiB, "state": "inactive"}],
+            },
+            {
+                "device": 0,
+                "address": small,
+                "total_size": 2 * MiB,
+                "stream": 0,
+                "segment_type": "small",
+                "blocks": [
+                    {"address": small, "size": 1024, "state": "active_allocated", "frames": []},
+                    {"address": small + 1024, "size": 2 * MiB - 1024, "state": "inactive"},
+                ],
+            },
+        ],
+        "device_traces": [
+            [
+                event("segment_alloc", big, 20 * MiB, 1.0),
+                event("alloc", big, 19 * MiB, 1.0, BIG),
+                event("segment_alloc", small, 2 * MiB, 2.0),
+                event("alloc", small, 1000, 2.0, FORWARD),
+                event("free_requested", big, 19 * MiB, 3.0),
+                event("free_completed", big, 19 * MiB, 3.0),
+            ]
+        ],
+    }
+    zero = Snapshot.from_dict(data).devices[0]
+    assert (zero.peak_bytes, zero.peak_time, zero.active_bytes) == (20 * MiB + 1024, 1.0, 1024)
+    assert zero.sites_at_peak == (
+        Site("/home/me/train.py", 30, "big", 20 * MiB),
+        Site("/home/me/train.py", 12, "forward", 1024),
+    )
+    assert max(size for _, size in zero.timeline) == 20 * MiB + 1024

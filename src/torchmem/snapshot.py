@@ -89,7 +89,9 @@ def load_snapshot(path: str | Path) -> Snapshot:
             raise
         except Exception as exc:  # a damaged pickle fails anywhere in the opcode loop
             raise SnapshotError(f"{name} is not a pickle: {exc}") from None
-        return Snapshot.from_dict(data, name)
+        snapshot = Snapshot.from_dict(data, name)
+        del data  # freed while the collector still pauses, which would walk all of it once more
+    return snapshot
 
 
 @contextlib.contextmanager

@@ -352,6 +352,38 @@ def test_cuda_allocator_history_becomes_an_event_log() -> None:
     assert sites == {0: ("/home/me/train.py", 7, "step")}
 
 
+def test_cuda_allocations_count_their_blocks_bytes() -> None:
+    """The history records requested bytes; the log counts the block, as
+    ``memory_allocated()`` does: a request leaving under 1 MiB of its 20 MiB segment takes
+    the whole segment, and a small one its size rounded up to 512 bytes."""
+    from torchmem.recorder.sources import cuda_events
+
+    request = 19 * MiB + 1
+    segments = [
+        {
+            "device": 0,
+            "address": 0,
+            "total_size": 20 * MiB,
+            "blocks": [{"address": 0, "size": 20 * MiB, "state": "active_allocated"}],
+        },
+        {
+            "device": 0,
+            "address": 64 * MiB,
+            "total_size": 2 * MiB,
+            "blocks": [{"address": 64 * MiB, "size": 2 * MiB, "state": "inactive"}],
+        },
+    ]
+    trace = [
+        {"action": "segment_alloc", "addr": 0, "size": 20 * MiB, "time_us": 1},
+        {"action": "alloc", "addr": 0, "size": request, "time_us": 2},
+        {"action": "segment_alloc", "addr": 64 * MiB, "size": 2 * MiB, "time_us": 3},
+        {"action": "alloc", "addr": 64 * MiB, "size": 100, "time_us": 4},
+        {"action": "free_completed", "addr": 64 * MiB, "size": 100, "time_us": 5},
+    ]
+    events, _ = cuda_events(trace, 0, 0, segments)
+    assert events[:, 2].tolist() == [20 * MiB, 512, -512]
+
+
 def test_a_forked_child_records_nothing() -> None:
     """A DataLoader worker made by fork must not grow a log nobody reads."""
     code = (

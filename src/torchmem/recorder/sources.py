@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from types import CodeType
 from typing import Any
@@ -23,6 +24,7 @@ from torchmem.meters import Meter, Window, meter
 from torchmem.meters.cpu import CpuAllocatorMeter, live_storages
 from torchmem.meters.native import NO_FRAME_SITE, NO_PYTHON_SITE
 from torchmem.recorder import history
+from torchmem.records.caching import KINDS, trace_blocks
 from torchmem.records.frames import (
     BACKWARD,
     ENGINE,
@@ -160,27 +162,50 @@ class CudaLog:
         for index, window, base in zip(self.indices, self._windows, self._bases, strict=True):
             window.close()
             trace = traces[index] if index < len(traces) else []
-            events, sites = cuda_events(trace, self._start, self._wall)
+            own = [s for s in snapshot.get("segments", []) if s.get("device") == index]
+            expandable = any(s.get("is_expandable") for s in own)
+            events, sites = cuda_events(trace, self._start, self._wall, own, expandable)
             reserved = window.peak("reserved_bytes.all")
             logs.append(Log(f"cuda:{index}", base, self._start, events, sites, {}, reserved))
         return logs
 
 
 def cuda_events(
-    trace: list[dict[str, Any]], start: int, wall: int
+    trace: list[dict[str, Any]],
+    start: int,
+    wall: int,
+    segments: Sequence[dict[str, Any]] = (),
+    expandable: bool = False,
 ) -> tuple[torch.Tensor, dict[int, SiteKey]]:
     """A CUDA allocator history's trace (``_snapshot()["device_traces"][i]``) as the rows
     of :attr:`Log.events`, and its sites (:func:`~torchmem.records.frames.stack_site` of
     each allocation's frames). Entries before `wall` (``time.time_ns()`` when the recording
     started, `start` on the monotonic clock) are left out; an allocation counts from
-    ``alloc``, a free from ``free_completed`` (when ``memory_allocated`` drops)."""
+    ``alloc``, a free from ``free_completed`` (when ``memory_allocated`` drops).
+
+    The trace holds requested bytes; each allocation counts its block's bytes, as
+    ``memory_allocated()`` does, told from the addresses and the device's `segments` at
+    the end (``_snapshot()["segments"]`` of this device) by
+    :func:`~torchmem.records.caching.trace_blocks`."""
+    kept = [e for e in trace if e.get("action") in KINDS]
+    blocks = trace_blocks(
+        [(s["address"], s["total_size"]) for s in segments],
+        [
+            (b["address"], b["size"])
+            for s in segments
+            for b in s["blocks"]
+            if b["state"] in ("active_allocated", "active_pending_free")
+        ],
+        [(KINDS[e["action"]], int(e["addr"]), int(e["size"]), 0, 0) for e in kept],
+        expandable,
+    )
     rows: list[list[int]] = []
     sites: dict[tuple[str, int, str], int] = {}
     keys: dict[int, SiteKey] = {}
     picked: dict[int, int] = {}  # id() of a frames list, which the trace holds meanwhile
     live: dict[int, int] = {}
-    for entry in trace:
-        action = entry.get("action")
+    for entry, size in zip(kept, blocks, strict=True):
+        action = entry["action"]
         if action not in ("alloc", "free_completed"):
             continue
         when = int(entry.get("time_us", 0)) * 1000
@@ -188,7 +213,6 @@ def cuda_events(
             continue
         at = start + (when - wall if when else 0)
         address = int(entry["addr"])
-        size = int(entry["size"])
         if action == "alloc":
             frames = entry.get("frames") or []
             site = picked.get(id(frames), NO_SITE)

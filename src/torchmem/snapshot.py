@@ -11,10 +11,8 @@ The trace is a ring buffer: it may start in the middle of a run. Its replay (all
 add the bytes of their blocks, completed frees subtract them) is therefore anchored at its
 end, where it must equal the bytes the snapshot's segments hold active on that device
 (``active_allocated`` and ``active_pending_free`` blocks: a freed block counts until its
-free completes); the bytes in use when the trace starts follow from that. The trace
-records each request's size, not its block's: the block follows from the addresses and
-the allocator's rules (:func:`torchmem.records.caching.trace_blocks`), so that the peak is
-in the same bytes as ``max_memory_allocated()``.
+free completes); the bytes in use when the trace starts follow from that. Blocks, not the
+requests the trace records (:mod:`torchmem.records.caching`): ``max_memory_allocated()``'s.
 """
 
 from __future__ import annotations
@@ -22,13 +20,13 @@ from __future__ import annotations
 import contextlib
 import gc
 import pickle
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, NamedTuple, NoReturn
 
 from torchmem.errors import SnapshotError
-from torchmem.records.caching import KINDS, trace_blocks
+from torchmem.records.caching import read_trace, replay_trace, timeline
 from torchmem.records.frames import Frame, SiteKey, stack_site
 from torchmem.records.run import Site
 from torchmem.records.snapshot import (
@@ -42,6 +40,8 @@ from torchmem.records.snapshot import (
     SnapshotRecord,
 )
 
+ACTIVE = ("active_allocated", "active_pending_free")
+"""The states of a block in use."""
 TOP = 10
 """How many sites and segments a report lists by default."""
 MAX_POINTS = 2000
@@ -200,17 +200,14 @@ class _Entry(NamedTuple):
     time: float
     """Seconds from the trace's first entry (0.0 where the trace has no times)."""
     frames: object
-    """As the snapshot has them."""
     where: tuple[int, int]
     """(entry, device): where the entry is, for an error message."""
     device_free: int | None
 
 
 _Stacks = dict[int | tuple[int, ...], tuple[str, int, str]]
-"""Sites by frames list (its id) and by stack (the ids of its frame dicts): a snapshot
-shares its frame dicts (hundreds for millions of frames) and many of its lists, so its
-thousands of allocations have a few hundred stacks; each stack's site is found once. The
-ids hold while the snapshot is read."""
+"""Sites by frames list (its id) and by stack (its frame dicts' ids, which a snapshot
+shares): thousands of allocations have a few hundred stacks, each stack's site found once."""
 
 
 def _stack_site(
@@ -225,6 +222,28 @@ def _stack_site(
         key = stacks[stack] = find(*args)
     stacks[id(frames)] = key
     return key
+
+
+_FIELDS: dict[str, tuple[tuple[str, type | tuple[type, ...], Any], ...]] = {
+    "segment": (
+        ("device", int, 0),
+        ("address", int, None),
+        ("blocks", list, []),
+        ("total_size", int, None),
+        ("stream", int, 0),
+        ("segment_type", (str, type(None)), None),
+    ),
+    "block": (("size", int, None), ("state", str, None), ("address", int, 0)),
+    "trace entry": (
+        ("action", str, None),
+        ("time_us", int, 0),
+        ("addr", int, 0),
+        ("size", int, 0),
+        ("device_free", (int, type(None)), None),
+    ),
+}
+"""What a snapshot's dicts hold: (key, type, default where it may be missing: None where
+it must be there) in the order they are checked."""
 
 
 class _Reader:
@@ -346,7 +365,7 @@ class _Reader:
             and type(stream) is int
             and (kind is None or type(kind) is str)
         ):
-            self.bad_segment(raw, where)
+            self.bad(raw, where, "segment")
         blocks = []
         at = address
         allocated = pending = largest = 0
@@ -354,9 +373,9 @@ class _Reader:
             if type(block) is dict:
                 size, state, at = block.get("size"), block.get("state"), block.get("address", at)
             if not (type(block) is dict and type(size) is int and type(state) is str):
-                self.bad_block(block, f"{where}, block {j}")
+                self.bad(block, f"{where}, block {j}", "block")
             if type(at) is not int:
-                self.bad_block(block, f"{where}, block {j}")
+                self.bad(block, f"{where}, block {j}", "block")
             blocks.append(Block(at, size, state))
             at += size
             if state == "active_allocated":
@@ -377,64 +396,20 @@ class _Reader:
         active, held = allocated + pending, tuple(blocks)
         return Segment(device, address, total, allocated, active, largest, stream, kind, held)
 
-    def bad_segment(self, raw: object, where: str) -> NoReturn:
-        """Fail with what is wrong with a segment that is not as it should be."""
-        self.field(raw, "device", where, int, 0)
-        self.field(raw, "address", where, int)
-        self.items(raw, "blocks", where)
-        self.field(raw, "total_size", where, int)
-        self.field(raw, "stream", where, int, 0)
-        self.field(raw, "segment_type", where, (str, type(None)))
-        self.fail(f"{where} is not a segment")
-
-    def bad_block(self, block: object, where: str) -> NoReturn:
-        """Fail with what is wrong with a segment's block that is not as it should be."""
-        self.field(block, "size", where, int)
-        self.field(block, "state", where, str)
-        self.field(block, "address", where, int, 0)
-        self.fail(f"{where} is not a block")
-
-    def bad_entry(self, entry: object, where: str) -> NoReturn:
-        """Fail with what is wrong with a trace entry that is not as it should be."""
-        self.field(entry, "action", where, str)
-        self.field(entry, "time_us", where, int, 0)
-        self.field(entry, "addr", where, int, 0)
-        self.field(entry, "size", where, int, 0)
-        self.field(entry, "device_free", where, (int, type(None)))
-        self.fail(f"{where} is not a trace entry")
+    def bad(self, raw: object, where: str, what: str) -> NoReturn:
+        """Fail with what is wrong with `raw`, a `what` (:data:`_FIELDS`) found bad."""
+        for key, kind, default in _FIELDS[what]:
+            self.field(raw, key, where, kind, default)
+        self.fail(f"{where} is not a {what}")
 
     def trace(self, raw: object, device: int, expandable: bool = False) -> _Trace:
         if not isinstance(raw, list):
             self.fail(f"the trace of device {device} is a {type(raw).__name__}, not a list")
-        events: list[tuple[int, int, int, int, int]] = []
-        ooms = []
-        kinds, append = KINDS.get, events.append
-        for k, entry in enumerate(raw):
-            # The checks of field(), inline: a trace has up to a million entries.
-            if type(entry) is not dict:
-                self.bad_entry(entry, f"entry {k} of the trace of device {device}")
-            get = entry.get
-            action, time_us, address, size = (
-                get("action"),
-                get("time_us", 0),
-                get("addr", 0),
-                get("size", 0),
-            )
-            if not (
-                type(action) is str
-                and type(time_us) is int
-                and type(address) is int
-                and type(size) is int
-            ):
-                self.bad_entry(entry, f"entry {k} of the trace of device {device}")
-            kind = kinds(action)
-            if kind is not None:
-                append((kind, address, size, time_us, k))
-            elif action == "oom":
-                free = get("device_free")
-                if free is not None and type(free) is not int:
-                    self.bad_entry(entry, f"entry {k} of the trace of device {device}")
-                ooms.append(k)
+
+        def bad(entry: object, k: int) -> NoReturn:
+            self.bad(entry, f"entry {k} of the trace of device {device}", "trace entry")
+
+        events, ooms = read_trace(raw, bad)
         end = next((t for t in (e.get("time_us", 0) for e in reversed(raw)) if t), 0)
         start = raw[0].get("time_us", 0) if raw else 0
         return _Trace(raw, events, ooms, device, start, end, end != 0, expandable)
@@ -444,22 +419,17 @@ class _Trace(NamedTuple):
     """A device's trace, checked."""
 
     raw: list[dict[str, Any]]
-    """The entries as the snapshot has them: their frames are read (:meth:`_Reader.site`)
-    only for the allocations alive at the peak."""
+    """The entries as the snapshot has them (frames are read only where needed)."""
     events: list[tuple[int, int, int, int, int]]
-    """Its allocations, completed frees and segment actions: (number in
-    :data:`~torchmem.records.caching.KINDS`, address, bytes, time in µs, entry index)."""
+    """(:data:`~torchmem.records.caching.KINDS` number, address, bytes, µs, entry index)."""
     ooms: list[int]
-    """The entry indices of its out-of-memory events."""
     device: int
     start: int
-    """The time of its first entry, in µs."""
+    """µs: the time of its first entry, and of its last with a time."""
     end: int
-    """The time of its last entry with a time, in µs."""
     timed: bool
     """Whether any of its entries has a time; where none has, entry numbers stand in."""
     expandable: bool
-    """Whether the allocator's segments were expandable."""
 
     def seconds(self, time_us: int, before: float) -> float:
         """Seconds from the trace's start to `time_us`; `before` where it has no time."""
@@ -486,50 +456,19 @@ def _replayed(
     stacks: _Stacks,
 ) -> DeviceSnapshot:
     """`device` with the peak, timeline, sites at the peak and OOM of its trace, all in
-    block bytes (:func:`~torchmem.records.caching.trace_blocks`)."""
-    events, timed = trace.events, trace.timed
-    in_use = [
-        (b.address, b.bytes)
-        for s in device.segments
-        for b in s.blocks
-        if b.state in ("active_allocated", "active_pending_free")
-    ]
+    block bytes (:func:`~torchmem.records.caching.replay_trace`)."""
     segments = [(s.address, s.total_bytes) for s in device.segments]
-    blocks = trace_blocks(segments, in_use, events, trace.expandable)
-    running = highest = 0
-    peak_at = -1  # the index in `events` after which the peak held; -1: the start
-    points: list[tuple[float, int]] = [(0.0, 0)]  # (seconds or entry number, bytes)
-    when = peak_when = 0.0
-    start, append = trace.start, points.append
-    for k, ((kind, _, _, time_us, entry), nbytes) in enumerate(zip(events, blocks, strict=True)):
-        if kind == 0:
-            running += nbytes
-        elif kind == 1:
-            running -= nbytes
-        else:
-            continue
-        if not timed:
-            when = entry + 1
-        elif time_us:
-            when = (time_us - start) / 1e6
-        append((when, running))
-        if running > highest:
-            highest, peak_at, peak_when = running, k, when
-    base = device.active_bytes - running  # the anchor: the replay ends at the snapshot
-    live: dict[int, int] = {}  # address -> index in `events`
-    for k in range(peak_at + 1):
-        kind, address = events[k][:2]
-        if kind == 0:
-            live[address] = k
-        elif kind == 1:
-            live.pop(address, None)
+    in_use = [(b.address, b.bytes) for s in device.segments for b in s.blocks if b.state in ACTIVE]
+    events, timed = trace.events, trace.timed
+    done = replay_trace(segments, in_use, events, trace.start if timed else None, trace.expandable)
+    base = device.active_bytes - done.end  # the anchor: the replay ends at the snapshot
     at_peak: dict[tuple[str, int, str], int] = {}
-    for k in live.values():
+    for k in done.live:
         entry = events[k][4]
         frames = trace.raw[entry].get("frames")
         key = stacks.get(id(frames)) or _stack_site(frames, stacks, site, trace.entry(entry))
-        at_peak[key] = at_peak.get(key, 0) + blocks[k]
-    unexplained = base + highest - sum(at_peak.values())
+        at_peak[key] = at_peak.get(key, 0) + done.blocks[k]
+    unexplained = base + done.highest - sum(at_peak.values())
     if unexplained > 0:
         at_peak[(BEFORE_TRACE, 0, "")] = unexplained
     oom = None
@@ -538,6 +477,8 @@ def _replayed(
         largest = max((s.largest_free_bytes for s in device.segments), default=0)
         oom = OOM(last.bytes, last.time, last.device_free, largest, trace.ooms[-1] + 1)
     span = trace.seconds(trace.end, 0.0) if timed else len(trace.raw)
+    points = [(x, base + b) for x, b in done.points]
+    peak = done.peak_at
     return DeviceSnapshot(
         device.device,
         device.name,
@@ -546,37 +487,13 @@ def _replayed(
         device.reserved_bytes,
         device.segments,
         device.sites,
-        peak_bytes=base + highest,
-        peak_time=peak_when if timed else None,
+        peak_bytes=base + done.highest,
+        peak_time=done.peak_x if timed else None,
         duration=span if timed else 0.0,
-        timeline=_timeline([(x, base + b) for x, b in points], span, integral=not timed),
+        timeline=timeline(points, span, MAX_POINTS, integral=not timed),
         sites_at_peak=_sites(at_peak),
         oom=oom,
         entries=len(trace.raw),
-        peak_entry=events[peak_at][4] + 1 if peak_at >= 0 else 0,
+        peak_entry=events[peak][4] + 1 if peak >= 0 else 0,
         timed=timed,
     )
-
-
-def _timeline(
-    points: Iterable[tuple[float, int]], span: float, integral: bool = False
-) -> tuple[tuple[float, int], ...]:
-    """The highest bytes of `points` (x, bytes from then on) in each of at most
-    :data:`MAX_POINTS` equal intervals of x from 0 to `span`; exact, not sampled. With
-    `integral` (x counts entries) each interval ends at a whole number."""
-    ordered = list(points)
-    if span <= 0:
-        return ((0.0, max(b for _, b in ordered)),)
-    count = min(MAX_POINTS, len(ordered))
-    out = []
-    i, value = 0, ordered[0][1]
-    for k in range(count):
-        end = -(-int(span) * (k + 1) // count) if integral else span * (k + 1) / count
-        high = value
-        while i < len(ordered) and (ordered[i][0] <= end or k == count - 1):
-            value = ordered[i][1]
-            if value > high:
-                high = value
-            i += 1
-        out.append((end, high))
-    return tuple(out)

@@ -1,7 +1,8 @@
 """The CUDA caching allocator's size rules (``c10/cuda/CUDACachingAllocator.cpp``, default
 settings), shared by the estimator's model of the allocator
 (:mod:`torchmem.estimator.allocator`) and the snapshot reader, which tells each traced
-allocation's block size from the trace's addresses (:func:`trace_blocks`).
+allocation's block size from the trace's addresses (:func:`trace_blocks`) and replays the
+trace in those blocks (:func:`replay_trace`, :func:`timeline`).
 
 Every block of the large pool is larger than 1 MiB (its requests are, and so is every
 remainder split off), and every block of the small pool is its request rounded; so a block
@@ -11,7 +12,8 @@ that starts a free stretch and is not split is the whole stretch.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, NamedTuple, NoReturn
 
 MIN_BLOCK = 512
 SMALL_SIZE = 2**20
@@ -62,6 +64,44 @@ def block_bytes(request: int, room: int | None) -> int:
     if room is None or room < size or splits(size, room - size):
         return size
     return room
+
+
+def read_trace(
+    raw: list[Any], bad: Callable[[object, int], NoReturn]
+) -> tuple[list[tuple[int, int, int, int, int]], list[int]]:
+    """The events of a snapshot's trace (its dicts, `raw`) that :func:`trace_blocks` reads:
+    (:data:`KINDS` number, address, bytes, time in µs, entry index); and the indices of its
+    out-of-memory events. ``bad(entry, index)`` is called for an entry that is not a dict
+    of the types PyTorch writes, and must raise."""
+    events: list[tuple[int, int, int, int, int]] = []
+    ooms = []
+    kinds, append = KINDS.get, events.append
+    for k, entry in enumerate(raw):  # a hot loop: up to a million entries
+        if type(entry) is not dict:
+            bad(entry, k)
+        get = entry.get
+        action, time_us, address, size = (
+            get("action"),
+            get("time_us", 0),
+            get("addr", 0),
+            get("size", 0),
+        )
+        if not (
+            type(action) is str
+            and type(time_us) is int
+            and type(address) is int
+            and type(size) is int
+        ):
+            bad(entry, k)
+        kind = kinds(action)
+        if kind is not None:
+            append((kind, address, size, time_us, k))
+        elif action == "oom":
+            free = get("device_free")
+            if free is not None and type(free) is not int:
+                bad(entry, k)
+            ooms.append(k)
+    return events, ooms
 
 
 def trace_blocks(
@@ -145,3 +185,88 @@ def trace_blocks(
                 del ends[address]
         append(nbytes)
     return out
+
+
+class TraceReplay(NamedTuple):
+    """A trace's allocations and completed frees added up in block bytes, from 0 at its
+    start (a snapshot anchors it at its end)."""
+
+    blocks: list[int]
+    """The block bytes of each event (:func:`trace_blocks`)."""
+    points: list[tuple[float, int]]
+    """(seconds from the start, or the entry number counted from 1; bytes from then on),
+    from (0, 0) on, one per allocation and completed free."""
+    peak_at: int
+    """The index of the event after which the peak held; -1: the start."""
+    peak_x: float
+    """Its seconds or entry number (0 at the start)."""
+    highest: int
+    """The peak's bytes."""
+    end: int
+    """The bytes after the last event."""
+    live: list[int]
+    """The indices of the allocations alive at the peak."""
+
+
+def replay_trace(
+    segments: Iterable[tuple[int, int]],
+    in_use: Iterable[tuple[int, int]],
+    events: Sequence[tuple[int, int, int, int, int]],
+    start_us: int | None,
+    expandable: bool = False,
+) -> TraceReplay:
+    """Replay `events` (:func:`trace_blocks`, whose fourth field is the time in µs and
+    fifth the entry index) in block bytes; times are seconds from `start_us`, or where that
+    is None (the trace has no times) entry numbers."""
+    blocks = trace_blocks(segments, in_use, events, expandable)
+    running = highest = 0
+    peak_at = -1
+    points: list[tuple[float, int]] = [(0.0, 0)]
+    when = peak_x = 0.0
+    append = points.append
+    for k, ((kind, _, _, time_us, entry), nbytes) in enumerate(zip(events, blocks, strict=True)):
+        if kind == 0:
+            running += nbytes
+        elif kind == 1:
+            running -= nbytes
+        else:
+            continue
+        if start_us is None:
+            when = entry + 1
+        elif time_us:  # else: as the entry before
+            when = (time_us - start_us) / 1e6
+        append((when, running))
+        if running > highest:
+            highest, peak_at, peak_x = running, k, when
+    live: dict[int, int] = {}
+    for k in range(peak_at + 1):
+        kind, address = events[k][:2]
+        if kind == 0:
+            live[address] = k
+        elif kind == 1:
+            live.pop(address, None)
+    return TraceReplay(blocks, points, peak_at, peak_x, highest, running, list(live.values()))
+
+
+def timeline(
+    points: Iterable[tuple[float, int]], span: float, intervals: int, integral: bool = False
+) -> tuple[tuple[float, int], ...]:
+    """The highest bytes of `points` (x, bytes from then on) in each of at most `intervals`
+    equal intervals of x from 0 to `span`; exact, not sampled. With `integral` (x counts
+    entries) each interval ends at a whole number."""
+    ordered = list(points)
+    if span <= 0:
+        return ((0.0, max(b for _, b in ordered)),)
+    count = min(intervals, len(ordered))
+    out = []
+    i, value = 0, ordered[0][1]
+    for k in range(count):
+        end = -(-int(span) * (k + 1) // count) if integral else span * (k + 1) / count
+        high = value
+        while i < len(ordered) and (ordered[i][0] <= end or k == count - 1):
+            value = ordered[i][1]
+            if value > high:
+                high = value
+            i += 1
+        out.append((end, high))
+    return tuple(out)

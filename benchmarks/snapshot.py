@@ -106,10 +106,9 @@ def _medians(contenders: dict[str, Callable[[], object]], repeat: int) -> dict[s
     return {name: sorted(times)[len(times) // 2] for name, times in found.items()}
 
 
-def measure(repeat: int, entries: int, real: Path = REAL) -> list[Row]:
-    """Median seconds of each contender reading the same file, `repeat` rounds: the
-    synthetic snapshot of `entries` entries, then each real snapshot in `real` (where
-    that folder exists)."""
+def measure(repeat: int, entries: int) -> list[Row]:
+    """Median seconds of each contender reading the synthetic snapshot of `entries`
+    entries, `repeat` rounds."""
     import torchmem
 
     with tempfile.TemporaryDirectory() as folder:
@@ -129,8 +128,13 @@ def measure(repeat: int, entries: int, real: Path = REAL) -> list[Row]:
         medians = _medians(contenders, repeat)
     base = next(iter(medians.values()))
     case = f"{entries:,} trace entries, {size / 2**20:.0f} MiB"
-    found = [(case, name, t, t / base) for name, t in medians.items()]
-    return found + [row for p in sorted(real.glob("*.pickle")) for row in _real(p, repeat)]
+    return [(case, name, t, t / base) for name, t in medians.items()]
+
+
+def measure_real(repeat: int, folder: Path = REAL) -> list[Row]:
+    """Median seconds of each contender reading each real snapshot in `folder`, `repeat`
+    rounds; none where the folder is not there."""
+    return [row for path in sorted(folder.glob("*.pickle")) for row in _real(path, repeat)]
 
 
 def _real(path: Path, repeat: int) -> list[Row]:
@@ -152,8 +156,8 @@ def _real(path: Path, repeat: int) -> list[Row]:
 
 
 def verdicts(found: list[Row]) -> str:
-    """The loader's ratio to pickle.load on the synthetic snapshot, and to pickle.load
-    plus segsum on each real one, met or missed."""
+    """The loader's ratio to pickle.load on the synthetic snapshot (the first two rows of
+    `found`), and to pickle.load plus segsum on each real one after them, met or missed."""
     lines = [ratio_verdicts(found[:2], {LOADER: TARGET})]
     for case, name, _, ratio in found[2:]:
         if name == LOADER and ratio is not None:

@@ -20,14 +20,14 @@ from torchmem.estimator import EstimateError, estimate, max_batch_size
 MIB = 2**20
 
 
-def mlp_step(batch: int, width: int = 4096) -> None:
+def mlp_step(batch: int, width: int = 4096, device: str = "cpu") -> None:
     """An MLP 1024-width-1024-10 training step with Adam (the issue's reference step)."""
     model = nn.Sequential(
         nn.Linear(1024, width), nn.ReLU(), nn.Linear(width, 1024), nn.ReLU(), nn.Linear(1024, 10)
-    )
+    ).to(device)
     optimizer = torch.optim.Adam(model.parameters())
-    x = torch.randn(batch, 1024)
-    y = torch.randint(0, 10, (batch,))
+    x = torch.randn(batch, 1024, device=device)
+    y = torch.randint(0, 10, (batch,), device=device)
     loss = F.cross_entropy(model(x), y)
     loss.backward()
     optimizer.step()
@@ -120,7 +120,7 @@ def test_a_free_is_logged_at_its_own_block_size() -> None:
 
 
 def test_cuda_estimate_of_a_training_step() -> None:
-    found = estimate(mlp_step, 64)
+    found = estimate(mlp_step, 64, 4096, "cuda")
     assert found.reserved_bytes % (2 * MIB) == 0
     assert found.peak_bytes % 512 == 0
     assert found.workspace_bytes == 32 * MIB
@@ -150,6 +150,66 @@ def test_cuda_devices_and_autocast_are_read_as_the_fake_cpu() -> None:
     # The weight (4 MiB), its bfloat16 copy (2 MiB) and its gradient (4 MiB) at least.
     assert found.peak_bytes >= 10 * MIB
     assert torch.autocast.__init__.__qualname__ == "autocast.__init__"  # restored
+
+
+def test_cuda_autocast_casts_by_cudas_rules() -> None:
+    dtypes = []
+
+    def step(batch: int) -> None:
+        w = torch.randn(256, 256, device="cuda", requires_grad=True)  # 262,144 B
+        x = torch.randn(batch, 256, device="cuda")  # 262,144 B at batch 256
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y = torch.einsum("bi,oi->bo", x, w)  # casts x (kept for backward) and w (cached)
+            z = torch.einsum("bi,oi->bo", x, w)  # casts x again; w's cast comes from the cache
+            assert z.dtype == y.dtype
+            dtypes.append(y.dtype)
+
+    def kept(batch: int) -> None:
+        half = torch.randn(batch, 256, device="cuda", dtype=torch.bfloat16)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            dtypes.extend(t.dtype for t in (torch.exp(half), half.sum(1), half.softmax(1)))
+
+    estimate(kept, 256)
+    found = estimate(step, 256)
+    # CUDA autocast keeps exp, sum and softmax in float32, and runs einsum in bfloat16.
+    assert dtypes == [torch.float32] * 3 + [torch.bfloat16]
+    # The workspace, w and x, w's cast once, x's two casts, y and z (131,072 B each).
+    assert found.peak_bytes == 32 * MIB + 2 * 262_144 + 5 * 131_072
+
+
+def test_cpu_tensors_stay_off_the_gpu_until_moved() -> None:
+    seen = []
+
+    def step(batch: int) -> None:
+        layer = nn.Linear(1024, 1024)  # built on the CPU: 4 MiB + 4 KiB
+        scratch = torch.randn(4096, 4096)  # 64 MiB on the CPU, never moved
+        layer.cuda()
+        x = torch.randn(batch, 1024).to("cuda")
+        positions = torch.arange(8, device=x.device)  # x.device names the GPU
+        back = x.cpu()
+        seen.extend([x.is_cuda, positions.is_cuda, scratch.is_cuda, back.is_cuda])
+        seen.append(layer.weight.cuda() is layer.weight)
+
+    found = estimate(step, 1)
+    assert seen == [True, True, False, False, True]
+    assert found.peak_bytes == 4_194_304 + 4096 + 4096 + 512
+    assert not found.notes
+
+
+def test_a_step_with_nothing_on_the_gpu_says_so() -> None:
+    found = estimate(mlp_step, 8)
+    assert found.peak_bytes == 0
+    assert "No tensor was on the GPU" in found.notes[0]
+
+
+def test_compiled_code_is_noted_as_not_modelled() -> None:
+    def step(batch: int) -> None:
+        torch.compile(lambda x: x + 1)
+        torch.randn(batch, device="cuda")
+
+    found = estimate(step, 8)
+    assert any("torch.compile" in note and "9.9%" in note for note in found.notes)
+    assert any("torch.compile" in item for item in found.not_modelled)
 
 
 def test_activation_checkpointing_lowers_the_peak_as_on_the_cpu() -> None:
@@ -220,10 +280,10 @@ def test_bad_input_is_named(call, error, words) -> None:  # type: ignore[no-unty
 @pytest.mark.parametrize("device", ["cpu", "cuda"], ids=["on-cpu", "on-gpu-model"])
 def test_max_batch_size_finds_the_edge(device: str) -> None:
     capacity = "1 GiB"
-    found = max_batch_size(mlp_step, capacity, device=device)
+    found = max_batch_size(mlp_step, capacity, 4096, device, device=device)
     assert found > 1
-    assert estimate(mlp_step, found, device=device).fits(capacity)
-    assert not estimate(mlp_step, found + 1, device=device).fits(capacity)
+    assert estimate(mlp_step, found, 4096, device, device=device).fits(capacity)
+    assert not estimate(mlp_step, found + 1, 4096, device, device=device).fits(capacity)
 
 
 def test_max_batch_size_is_zero_when_nothing_fits() -> None:
@@ -231,7 +291,7 @@ def test_max_batch_size_is_zero_when_nothing_fits() -> None:
 
 
 def test_renderers() -> None:
-    found = estimate(mlp_step, 64)
+    found = estimate(mlp_step, 64, 4096, "cuda")
     text = str(found)
     assert text.startswith("torchmem estimate: mlp_step on cuda")
     assert "peak allocated  peak reserved  + CUDA context  = total" in text

@@ -364,6 +364,13 @@ def forget_converted(mode: Any) -> None:
         memo.clear()
 
 
+def mark_fake_device(tensor: Any, device: torch.device) -> None:
+    """Make fake `tensor` answer ``tensor.device`` with this very `device` object (an equal
+    one does not do: the estimator tells GPU storages by the object's identity)."""
+    if hasattr(tensor, "fake_device"):
+        tensor.fake_device = device
+
+
 _AUTOGRAD_NODE = lookup("torch._C._current_autograd_node")
 
 

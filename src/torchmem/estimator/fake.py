@@ -8,10 +8,13 @@ keeps them in order, with the user's line that made each one. PyTorch's global h
 gradients, optimizer state and activations, and when each module ran.
 
 For a CUDA target the run still happens on the fake CPU device (fake CUDA tensors cannot
-run a backward pass on a machine without a GPU): ``device="cuda"`` arguments,
-``.cuda()`` and ``.to("cuda")`` are read as the CPU, and ``torch.autocast("cuda", ...)``
-turns CPU autocast on with the same dtype (float16 where none is given, as on CUDA).
-Optimizers that would choose their implementation take CUDA's (``foreach``).
+run a backward pass on a machine without a GPU), and only the storages that would be on
+the GPU are logged: those of calls that name a CUDA device (``device="cuda"``,
+``device=x.device`` of a GPU tensor), of ``.cuda()`` and ``.to("cuda")`` copies, and of
+operators on GPU tensors; a model built on the CPU costs the GPU only its copy.
+``torch.autocast("cuda", ...)`` turns CPU autocast on with the same dtype (float16 where
+none is given, as on CUDA) and CUDA's rules of what to cast. Optimizers that would choose
+their implementation take CUDA's (``foreach``).
 """
 
 from __future__ import annotations
@@ -28,7 +31,6 @@ from torch.optim.optimizer import (
     register_optimizer_step_post_hook,
     register_optimizer_step_pre_hook,
 )
-from torch.overrides import TorchFunctionMode
 
 from torchmem._compat import (
     DispatchMode,
@@ -39,6 +41,8 @@ from torchmem._compat import (
     in_backward,
     storage_key,
 )
+from torchmem.estimator.autocast import CudaRules
+from torchmem.estimator.placement import GPU_AS_CPU, OnFakeCpu, any_on, mark
 from torchmem.meters.tensor import TensorMeter
 from torchmem.recorder.hooks import Watcher
 from torchmem.recorder.sources import NO_SITE, Log
@@ -52,7 +56,6 @@ from torchmem.records.frames import (
     kind,
     own_file,
 )
-
 
 aten = torch.ops.aten
 MATMULS = frozenset((aten.mm, aten.addmm, aten.bmm, aten.baddbmm, aten.addbmm, aten.mv, aten.addmv))
@@ -69,11 +72,13 @@ class FakeRun:
     watcher: Watcher
     """The marks and module intervals of PyTorch's global hooks."""
     matmuls: list[tuple[int, bool]]
-    """``(number of events logged before it, in a backward pass)`` of the first matrix
-    product outside backward passes and of the first inside one."""
+    """``(number of events logged up to its result, in a backward pass)`` of the first
+    matrix product on the GPU outside backward passes and of the first inside one."""
     reads: int
     """Values read from tensors (``.item()``, ``bool(t)``) that fake tensors did not know:
     each read gave 1 (False for a boolean)."""
+    compiled: bool
+    """Whether the function called ``torch.compile``."""
     stop: int
     """``time.monotonic_ns()`` when the run ended."""
 
@@ -92,11 +97,26 @@ class _LoggedMeter(TensorMeter):
         self._kinds: dict[CodeType, int] = {}  # -1: torchmem's own
         self._picked: dict[tuple[CodeType, int], int] = {}
         self._on_freed = self._freed
+        self.gpu_only = False
+        """Log only the storages that stand for GPU memory (a CUDA target)."""
+        self.on_gpu: set[int] = set()
+        """Keys of the live storages that stand for GPU memory."""
+        self.to_gpu = False
+        """Whether the operator running now makes its new storages on the GPU."""
+        self.forced: bool | None = None
+        """While a call names its device: whether that device is the GPU."""
 
     def _count(self, storage: torch.UntypedStorage, nbytes: int) -> None:
         key = storage_key(storage)
         ref = self._live.get(key)
-        if ref is not None and ref() is not None:
+        live = ref is not None and ref() is not None
+        if self.gpu_only:
+            if not live and self.to_gpu:
+                self.on_gpu.add(key)
+            if key not in self.on_gpu:  # CPU memory: counted, not logged
+                super()._count(storage, nbytes)
+                return
+        if ref is not None and live:
             self._log_free(key, ref.nbytes)
             self._log_alloc(key, ref.nbytes + nbytes)
         else:
@@ -105,6 +125,10 @@ class _LoggedMeter(TensorMeter):
 
     def _freed(self, ref: Any) -> None:
         self._log.append(ref)
+        if self.gpu_only:
+            if ref.key not in self.on_gpu:
+                return
+            self.on_gpu.discard(ref.key)
         self._log_free(ref.key, ref.nbytes)
 
     def _log_alloc(self, key: int, nbytes: int) -> None:
@@ -161,8 +185,11 @@ def _stack(frame: FrameType | None) -> Stack:
 
 
 class _Operators(DispatchMode):
-    """Notes the first matrix products (where cuBLAS allocates its workspace on a GPU),
-    and answers a read of a value fake tensors do not know with 1 (False for a boolean)."""
+    """Says whether each operator makes GPU or CPU storages (for a CUDA target: on the GPU
+    when the call names the GPU, or when it names no device and one of its tensors is on
+    the GPU), notes the first matrix products on the GPU (where cuBLAS allocates its
+    workspace), and answers a read of a value fake tensors do not know with 1 (False for a
+    boolean)."""
 
     def __init__(self, meter: _LoggedMeter) -> None:
         super().__init__()
@@ -178,8 +205,18 @@ class _Operators(DispatchMode):
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
+        meter = self.meter
+        kwargs = kwargs or {}
+        gpu = True
+        if meter.gpu_only:
+            forced = meter.forced
+            if forced is None:
+                gpu = any_on(meter.on_gpu, args) or any_on(meter.on_gpu, kwargs.values())
+            else:
+                gpu = forced
+        outer, meter.to_gpu = meter.to_gpu, gpu
         try:
-            out = func(*args, **(kwargs or {}))
+            out = func(*args, **kwargs)
         except Exception as exc:
             if func is not _SCALAR or data_dependent_operator(exc) is None:
                 raise
@@ -187,50 +224,27 @@ class _Operators(DispatchMode):
             self.reads += 1
             dtype = args[0].dtype
             return False if dtype is torch.bool else 1.0 if dtype.is_floating_point else 1
-        if func.overloadpacket in MATMULS:
+        finally:
+            meter.to_gpu = outer
+        if gpu and meter.gpu_only:
+            mark(out)
+        if gpu and func.overloadpacket in MATMULS:
             backward = in_backward()
             if backward not in self._seen:
                 self._seen.add(backward)
-                self.matmuls.append((len(self.meter.rows), backward))
+                self.matmuls.append((len(meter.rows), backward))
         return out
-
-
-def _is_cuda(value: object) -> bool:
-    if isinstance(value, torch.device):
-        return value.type == "cuda"
-    return isinstance(value, str) and value.split(":")[0] == "cuda"
-
-
-class _OnFakeCpu(TorchFunctionMode):
-    """With `cuda`, reads every CUDA device the function names as the CPU."""
-
-    def __init__(self, cuda: bool) -> None:
-        super().__init__()
-        self.cuda = cuda
-
-    def __torch_function__(
-        self,
-        func: Any,
-        types: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
-        kwargs = kwargs or {}
-        if self.cuda:
-            if func is torch.Tensor.cuda or func is torch.Tensor.pin_memory:
-                return args[0]
-            if _is_cuda(kwargs.get("device")):
-                kwargs = {**kwargs, "device": "cpu"}
-            if func is torch.Tensor.to:
-                args = tuple("cpu" if _is_cuda(a) else a for a in args)
-        return func(*args, **kwargs)
 
 
 @contextlib.contextmanager
 def _cuda_autocast_on_cpu() -> Iterator[None]:
     """``torch.autocast("cuda", dtype)`` turns on CPU autocast with `dtype` (float16 where
-    none is given, CUDA's default) until the block ends."""
+    none is given, CUDA's default), casting GPU tensors by CUDA's rules
+    (:class:`~torchmem.estimator.autocast.CudaRules`, put in place at the first such
+    block), until the block ends."""
     original = torch.autocast.__init__
+    rules = CudaRules(lambda tensor: tensor.device is GPU_AS_CPU)
+    used = False
 
     def init(
         self: torch.autocast,
@@ -239,8 +253,12 @@ def _cuda_autocast_on_cpu() -> Iterator[None]:
         enabled: bool = True,
         cache_enabled: bool | None = None,
     ) -> None:
+        nonlocal used
         if device_type == "cuda":
             device_type, dtype = "cpu", dtype or torch.float16
+            if not used:
+                used = True
+                rules.__enter__()
         original(self, device_type, dtype, enabled, cache_enabled)
 
     torch.autocast.__init__ = init  # type: ignore[method-assign]
@@ -248,6 +266,24 @@ def _cuda_autocast_on_cpu() -> Iterator[None]:
         yield
     finally:
         torch.autocast.__init__ = original  # type: ignore[method-assign]
+        if used:
+            rules.__exit__()
+
+
+@contextlib.contextmanager
+def _compiles_seen(seen: list[bool]) -> Iterator[None]:
+    """``torch.compile`` appends True to `seen` at each call, until the block ends."""
+    original = torch.compile
+
+    def compile(*args: Any, **kwargs: Any) -> Any:
+        seen.append(True)
+        return original(*args, **kwargs)
+
+    torch.compile = compile
+    try:
+        yield
+    finally:
+        torch.compile = original
 
 
 @contextlib.contextmanager
@@ -302,18 +338,23 @@ def run_fake(
 ) -> FakeRun:
     """Run ``fn(*args, **kwargs)`` once on fake CPU tensors (tensor arguments are faked;
     their bytes are there from the start), logging every allocation and free.
-    With `cuda`, CUDA devices and CUDA autocast are read as the CPU's."""
+    With `cuda`, only storages on the GPU are logged (see
+    :class:`~torchmem.estimator.placement.OnFakeCpu`; tensor arguments are on the GPU),
+    and CUDA autocast runs on the fake CPU with CUDA's rules."""
     meter = _LoggedMeter()
+    meter.gpu_only = cuda
     operators = _Operators(meter)
     watcher = Watcher(address=_address)
     base = 0
+    compiled: list[bool] = []
     with contextlib.ExitStack() as stack:
+        stack.enter_context(_compiles_seen(compiled))
         if cuda:
             stack.enter_context(_cuda_autocast_on_cpu())
             stack.enter_context(_foreach_optimizers())
         mode = fake_mode()
         stack.enter_context(_swaps_forgetting(mode))
-        stack.enter_context(_OnFakeCpu(cuda))
+        stack.enter_context(OnFakeCpu(meter if cuda else None))
         stack.enter_context(mode)
         seen: set[int] = set()
 
@@ -323,14 +364,18 @@ def run_fake(
             if storage_key(storage) not in seen:
                 seen.add(storage_key(storage))
                 base += storage.nbytes()
-            return mode.from_tensor(tensor)  # type: ignore[no-any-return]
+            faked = mode.from_tensor(tensor)
+            meter.on_gpu.add(storage_key(faked.untyped_storage()))
+            return faked  # type: ignore[no-any-return]
 
         args = tuple(fake(a) if isinstance(a, torch.Tensor) else a for a in args)
         kwargs = {k: fake(v) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
-        stack.enter_context(operators)
         start = time.monotonic_ns()
         window = meter.window()
         stack.callback(window.close)
+        # Outside the meter's mode: says where an operator's storages go before the meter
+        # counts them, and sees a matrix product's result counted.
+        stack.enter_context(operators)
         watcher.start()
         try:
             fn(*args, **kwargs)
@@ -340,4 +385,4 @@ def run_fake(
     events = torch.tensor(meter.rows, dtype=torch.int64).reshape(-1, 5)
     sites = {index: site for site, index in meter.sites.items()}
     log = Log("cpu", base, start, events, sites)
-    return FakeRun(log, watcher, operators.matmuls, operators.reads, stop)
+    return FakeRun(log, watcher, operators.matmuls, operators.reads, bool(compiled), stop)

@@ -149,6 +149,7 @@ def sections(config: Config) -> Iterator[str]:
 
     yield "## 10. Reading a memory snapshot\n\n" + doc(snapshot)
     rows = snapshot.measure(config.repeat, config.snapshot_entries)
+    rows += snapshot.measure_real(config.repeat)
     yield table(rows) + "\n\n" + snapshot.verdicts(rows)
 
 

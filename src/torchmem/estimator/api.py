@@ -44,11 +44,16 @@ with lazy module loading."""
 CUBLAS_WORKSPACE_CONFIG = ":4096:8"
 """cuBLAS's workspace where ``CUBLAS_WORKSPACE_CONFIG`` is not set: PyTorch's default on
 compute capability 9.0 (H100, H200), 32 MiB. Older GPUs default to ``:4096:2:16:8``."""
+CUBLASLT_WORKSPACE_KIB = 1024
+"""cuBLASLt's workspace in KiB where ``CUBLASLT_WORKSPACE_SIZE`` is not set (PyTorch's
+default): allocated beside cuBLAS's at the first matrix product with a fused bias
+(``addmm``, as ``nn.Linear`` with a bias runs), seen on an H100 with PyTorch 2.11."""
 MODELLED = (
     "tensor storages of every operator, as the CPU run allocates them",
     "the caching allocator: 512-byte blocks, small and large pools, 2 MiB / 20 MiB /"
     " 2 MiB-rounded segments, best fit, splitting, merging, expandable segments",
-    "cuBLAS workspaces (one per thread: forward and backward)",
+    "cuBLAS workspaces (one per thread: forward and backward), and cuBLASLt's for products"
+    " with a fused bias",
     "CUDA autocast's rules of what to cast (not CPU autocast's)",
     "tensors made on the CPU stay off the GPU until moved (.cuda(), .to('cuda'))",
     "an allowance for the CUDA context (in fits())",
@@ -196,7 +201,12 @@ def estimate(fn: Callable[..., Any], *args: Any, device: str = "cuda", **kwargs:
         log, requests = _on_cuda(fake, allocator, workspace)
         reserved = allocator.reserved_peak
     names = Names(fake.watcher)
-    variables = {-1: "cuBLAS workspace (forward)", -2: "cuBLAS workspace (backward)"}
+    variables = {
+        -1: "cuBLAS workspace (forward)",
+        -2: "cuBLAS workspace (backward)",
+        -3: "cuBLASLt workspace (forward)",
+        -4: "cuBLASLt workspace (backward)",
+    }
     run, replay = device_run(log, fake.watcher.marks, fake.stop, names, variables, TOP)
     run = dataclasses.replace(run, device=target, reserved_peak_bytes=reserved)
     modules = module_peaks(
@@ -323,10 +333,15 @@ def _on_cuda(
     fake: FakeRun, allocator: CachingAllocator, workspace: int
 ) -> tuple[Log, tuple[int, ...]]:
     """The fake run's log as the caching allocator would serve it: each allocation the
-    size of its block, and cuBLAS's workspaces added (never freed, at addresses -1 and
-    -2); and the requests for :meth:`Estimate.fits`."""
+    size of its block, and the workspaces added, never freed: cuBLAS's (`workspace` bytes,
+    at addresses -1 and -2 for the forward and the backward thread) and cuBLASLt's (-3,
+    -4); and the requests for :meth:`Estimate.fits`."""
     rows = fake.log.events.tolist()
-    workspaces = dict(fake.matmuls)
+    lt = int(os.environ.get("CUBLASLT_WORKSPACE_SIZE") or CUBLASLT_WORKSPACE_KIB) * 1024
+    workspaces: dict[int, list[tuple[int, int]]] = {}
+    for index, backward, fused in fake.matmuls:
+        address = -(1 + backward + 2 * fused)
+        workspaces.setdefault(index, []).append((address, lt if fused else workspace))
     out: list[list[int]] = []
     requests: list[int] = []
     moved: dict[int, int] = {}  # allocation row in the fake log -> its row here
@@ -343,9 +358,9 @@ def _on_cuda(
         return len(out) - 1
 
     for index in range(len(rows) + 1):
-        if index in workspaces:
+        for address, nbytes in workspaces.get(index, ()):
             when = rows[index][0] if index < len(rows) else fake.stop
-            allocate(when, -2 if workspaces[index] else -1, workspace, NO_SITE)
+            allocate(when, address, nbytes, NO_SITE)
         if index == len(rows):
             break
         when, address, nbytes, site, other = rows[index]

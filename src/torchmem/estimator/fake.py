@@ -60,6 +60,9 @@ from torchmem.records.frames import (
 aten = torch.ops.aten
 MATMULS = frozenset((aten.mm, aten.addmm, aten.bmm, aten.baddbmm, aten.addbmm, aten.mv, aten.addmv))
 """Operators that run in cuBLAS on a GPU (its workspace is allocated at the first one)."""
+LT_MATMULS = frozenset((aten.addmm, aten._addmm_activation))
+"""Operators PyTorch runs in cuBLASLt on a GPU (a bias fused in), whose own workspace is
+allocated at the first one, after cuBLAS's."""
 _SCALAR = aten._local_scalar_dense.default
 
 
@@ -71,9 +74,10 @@ class FakeRun:
     """Every allocation and free on the fake CPU device, in order."""
     watcher: Watcher
     """The marks and module intervals of PyTorch's global hooks."""
-    matmuls: list[tuple[int, bool]]
-    """``(number of events logged up to its result, in a backward pass)`` of the first
-    matrix product on the GPU outside backward passes and of the first inside one."""
+    matmuls: list[tuple[int, bool, bool]]
+    """``(number of events logged before it, in a backward pass, cuBLASLt)`` of the first
+    matrix product outside backward passes and of the first inside one (cuBLAS's
+    workspace), then of the first of :data:`LT_MATMULS` in each (cuBLASLt's)."""
     reads: int
     """Values read from tensors (``.item()``, ``bool(t)``) that fake tensors did not know:
     each read gave 1 (False for a boolean)."""
@@ -194,9 +198,9 @@ class _Operators(DispatchMode):
     def __init__(self, meter: _LoggedMeter) -> None:
         super().__init__()
         self.meter = meter
-        self.matmuls: list[tuple[int, bool]] = []
+        self.matmuls: list[tuple[int, bool, bool]] = []
         self.reads = 0
-        self._seen: set[bool] = set()
+        self._seen: set[tuple[bool, bool]] = set()
 
     def __torch_dispatch__(
         self,
@@ -230,9 +234,10 @@ class _Operators(DispatchMode):
             mark(out)
         if gpu and func.overloadpacket in MATMULS:
             backward = in_backward()
-            if backward not in self._seen:
-                self._seen.add(backward)
-                self.matmuls.append((len(meter.rows), backward))
+            for lt in (False, True) if func.overloadpacket in LT_MATMULS else (False,):
+                if (backward, lt) not in self._seen:
+                    self._seen.add((backward, lt))
+                    self.matmuls.append((len(meter.rows), backward, lt))
         return out
 
 

@@ -205,23 +205,29 @@ class _Entry(NamedTuple):
     device_free: int | None
 
 
-_Stacks = dict[int | tuple[int, ...], tuple[str, int, str]]
-"""Sites by frames list (its id) and by stack (its frame dicts' ids, which a snapshot
-shares): thousands of allocations have a few hundred stacks, each stack's site found once."""
+_Stacks = dict[Any, Any]
+"""Sites by frames list (its id), and the stacks seen, in buckets by their length and
+their first and last frame dicts' ids (a snapshot shares its frame dicts): thousands of
+allocations have a few hundred stacks, each stack's site found once."""
 
 
 def _stack_site(
     frames: object, stacks: _Stacks, find: Callable[..., tuple[str, int, str]], *args: Any
 ) -> tuple[str, int, str]:
-    """The site of `frames` from `stacks`, else ``find(*args)``, kept there."""
+    """The site of `frames` from `stacks`, else ``find(*args)``, kept there. Lists in one
+    bucket are compared whole, which is fast where they hold the same dicts (identity is
+    checked first), and right where they hold equal ones."""
     if type(frames) is not list or not frames:
         return find(*args)
-    stack = tuple(map(id, frames))
-    key = stacks.get(stack)
-    if key is None:
-        key = stacks[stack] = find(*args)
+    bucket = stacks.setdefault((len(frames), id(frames[0]), id(frames[-1])), [])
+    for known, key in bucket:
+        if known == frames:
+            break
+    else:
+        key = find(*args)
+        bucket.append((frames, key))
     stacks[id(frames)] = key
-    return key
+    return key  # type: ignore[no-any-return]
 
 
 _FIELDS: dict[str, tuple[tuple[str, type | tuple[type, ...], Any], ...]] = {
@@ -301,6 +307,10 @@ class _Reader:
             listed.append(frame)
         key = self._picked[id(frames)] = SiteKey(*stack_site(listed))
         return key
+
+    def block_site(self, frames: object, where: str, j: int) -> tuple[str, int, str]:
+        """The site of block `j` of a segment (:meth:`site` of its frames)."""
+        return self.site(frames or [], f"{where}, block {j}")
 
     def entry_site(self, entry: _Entry) -> tuple[str, int, str]:
         """The site of a trace entry (:meth:`site` of its frames)."""
@@ -384,9 +394,7 @@ class _Reader:
                 if frames is None and block.get("history"):  # older PyTorch, as it reads them
                     here = f"{where}, block {j}"
                     frames = self.field(block["history"][0], "frames", here, list, [])
-                key = stacks.get(id(frames)) or _stack_site(
-                    frames, stacks, self.site, frames or [], f"{where}, block {j}"
-                )
+                key = _stack_site(frames, stacks, self.block_site, frames, where, j)
                 own = sites.setdefault(device, {})
                 own[key] = own.get(key, 0) + size
             elif state == "active_pending_free":

@@ -9,7 +9,7 @@ by the renderers in :mod:`torchmem.render.snapshot`. :meth:`SnapshotRecord.to_js
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from torchmem.records.run import Site
 
@@ -22,8 +22,7 @@ DEVICE_NAMES = "torchmem_device_names"
 "cpu"]``); PyTorch's readers ignore it. Without it, index N is ``cuda:N``."""
 
 
-@dataclass(frozen=True)
-class Block:
+class Block(NamedTuple):  # a named tuple: made for each of a snapshot's thousands of blocks
     """One block of a segment."""
 
     address: int

@@ -864,4 +864,7 @@ class HistoryStandIn:
             torch.cuda.memory, "_record_memory_history", self._record_memory_history
         )
         monkeypatch.setattr(torch.cuda.memory, "_snapshot", self._snapshot)
+        monkeypatch.setattr(
+            torch._C, "_cuda_isHistoryEnabled", lambda: self.enabled is not None, raising=False
+        )
         return self

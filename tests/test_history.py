@@ -5,6 +5,7 @@ real history is checked in tests marked ``cuda``."""
 
 from __future__ import annotations
 
+import json
 import pickle
 import subprocess
 import sys
@@ -120,6 +121,12 @@ def test_a_history_on_before_the_recording_is_used_as_it_is_and_left_on(
     assert list(lease.lost) == [0]  # its 3 entries do not reach back to the start
 
 
+def test_a_history_on_but_still_empty_is_left_on(cuda_history: HistoryStandIn) -> None:
+    torch.cuda.memory._record_memory_history(max_entries=1000)
+    history.acquire(True, ENTRIES).release()
+    assert (cuda_history.enabled, cuda_history.settings["max_entries"]) == ("all", 1000)
+
+
 def test_a_full_history_says_what_it_lost(cuda_history: HistoryStandIn) -> None:
     lease = history.acquire(True, 4)
     for k in range(6):
@@ -177,10 +184,8 @@ def test_a_script_that_records_its_own_snapshot_under_torchmem_run(tmp_path: Pat
     with open(own, "rb") as file:
         snapshot = pickle.load(file)
     assert 4 * 2**20 in [e["size"] for e in snapshot["device_traces"][0] if e["action"] == "alloc"]
-    import json
-
     run = json.loads(report.read_text())
-    assert run["devices"]["cuda:0"]["end_bytes"] - run["devices"]["cuda:0"]["start_bytes"] == 0
+    assert run["devices"]["cuda:0"]["end_bytes"] == 4 * 2**20  # `kept`, alive at the end
     assert run["devices"]["cuda:0"]["peak_bytes"] == 4 * 2**20
 
 

@@ -230,6 +230,15 @@ def cuda_history_snapshot() -> dict[str, Any]:
     return take()  # type: ignore[no-any-return]
 
 
+def cuda_history_enabled() -> bool:
+    """Whether PyTorch's CUDA allocator history is on (``torch._C._cuda_isHistoryEnabled``);
+    where this PyTorch lacks that, whether the history holds any entry."""
+    enabled = getattr(torch._C, "_cuda_isHistoryEnabled", None)
+    if enabled is not None:
+        return bool(enabled())
+    return any(cuda_history_snapshot().get("device_traces", []))
+
+
 def intercept_cuda_history(hook: HistoryHook) -> None:
     """Make the program's calls of ``torch.cuda.memory._record_memory_history`` run `hook`
     instead, until :func:`stop_intercepting_cuda_history`."""

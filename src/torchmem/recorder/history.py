@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from torchmem._compat import (
+    cuda_history_enabled,
     cuda_history_set,
     cuda_history_snapshot,
     intercept_cuda_history,
@@ -86,8 +87,7 @@ class _SharedHistory:
         lease = HistoryLease(self, stacks, entries)
         if not self.leases:
             self.cleared = []
-            before = cuda_history_snapshot()
-            self.theirs = _UNKNOWN if any(before.get("device_traces", [])) else None
+            self.theirs = _UNKNOWN if cuda_history_enabled() else None
             intercept_cuda_history(self._intercepted)
         self.leases.append(lease)
         self._apply()

@@ -25,9 +25,7 @@ from torchmem.estimator.replay import replay, start_layout
 RECORDED = Path(__file__).resolve().parent / "data" / "gpu_truth" / "recorded"
 FACTS = json.loads((RECORDED / "facts.json").read_text())
 NAMES = sorted(FACTS["workloads"])
-PEAK_ERROR = {"gpt2-2layers-adamw-step": 0.03}
-"""Largest relative error of the estimated peak, where it is not 1% (see the README's
-estimate section: what the estimator does not model)."""
+PEAK_ERROR = 0.01
 RESERVED_ERROR = 0.03
 
 
@@ -68,7 +66,7 @@ def test_the_estimate_is_near_the_real_peak_and_reserve(name: str) -> None:
     facts, workload = FACTS["workloads"][name], WORKLOADS[name]
     estimate = torchmem.estimate(lambda: workload.step(workload.build("cuda")))
     peak, reserved = facts["max_memory_allocated"], facts["max_memory_reserved"]
-    assert abs(estimate.peak_bytes - peak) <= PEAK_ERROR.get(name, 0.01) * peak
+    assert abs(estimate.peak_bytes - peak) <= PEAK_ERROR * peak
     assert abs(estimate.reserved_bytes - reserved) <= RESERVED_ERROR * reserved
 
 

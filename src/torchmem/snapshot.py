@@ -220,10 +220,8 @@ def _stack_site(
     if type(frames) is not list or not frames:
         return find(*args)
     bucket = stacks.setdefault((len(frames), id(frames[0]), id(frames[-1])), [])
-    for known, key in bucket:
-        if known == frames:
-            break
-    else:
+    key = next((site for known, site in bucket if known == frames), None)
+    if key is None:
         key = find(*args)
         bucket.append((frames, key))
     stacks[id(frames)] = key

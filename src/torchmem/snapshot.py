@@ -225,7 +225,7 @@ def _stack_site(
         key = find(*args)
         bucket.append((frames, key))
     stacks[id(frames)] = key
-    return key  # type: ignore[no-any-return]
+    return key
 
 
 _FIELDS: dict[str, tuple[tuple[str, type | tuple[type, ...], Any], ...]] = {

@@ -206,17 +206,14 @@ class _Entry(NamedTuple):
 
 
 _Stacks = dict[Any, Any]
-"""Sites by frames list (its id), and the stacks seen, in buckets by their length and
-their first and last frame dicts' ids (a snapshot shares its frame dicts): thousands of
-allocations have a few hundred stacks, each stack's site found once."""
+"""Sites by frames list (its id), and each stack seen once, bucketed by length and ends."""
 
 
 def _stack_site(
     frames: object, stacks: _Stacks, find: Callable[..., tuple[str, int, str]], *args: Any
 ) -> tuple[str, int, str]:
-    """The site of `frames` from `stacks`, else ``find(*args)``, kept there. Lists in one
-    bucket are compared whole, which is fast where they hold the same dicts (identity is
-    checked first), and right where they hold equal ones."""
+    """The site of `frames` from `stacks`, else ``find(*args)``, kept there. A bucket's
+    lists are compared whole: fast for shared frame dicts (identity first), right for equal."""
     if type(frames) is not list or not frames:
         return find(*args)
     bucket = stacks.setdefault((len(frames), id(frames[0]), id(frames[-1])), [])
@@ -246,8 +243,7 @@ _FIELDS: dict[str, tuple[tuple[str, type | tuple[type, ...], Any], ...]] = {
         ("device_free", (int, type(None)), None),
     ),
 }
-"""What a snapshot's dicts hold: (key, type, default where it may be missing: None where
-it must be there) in the order they are checked."""
+"""Each dict's (key, type, default: None where it must be there), in the order checked."""
 
 
 class _Reader:
@@ -307,8 +303,7 @@ class _Reader:
         return key
 
     def block_site(self, frames: object, where: str, j: int) -> tuple[str, int, str]:
-        """The site of block `j` of a segment (:meth:`site` of its frames)."""
-        return self.site(frames or [], f"{where}, block {j}")
+        return self.site(frames or [], f"{where}, block {j}")  # the string for new stacks only
 
     def entry_site(self, entry: _Entry) -> tuple[str, int, str]:
         """The site of a trace entry (:meth:`site` of its frames)."""

@@ -148,6 +148,19 @@ def test_nested_recordings_share_the_history(cuda_history: HistoryStandIn) -> No
     assert cuda_history.enabled is None
 
 
+def test_a_history_that_cannot_be_set_leaves_nothing_installed(
+    cuda_history: HistoryStandIn, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def fails(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("CUDA error: out of memory")
+
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", fails)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        history.acquire(True, ENTRIES)
+    assert torch.cuda.memory._record_memory_history is fails
+    assert history._shared.leases == []
+
+
 def test_code_that_replaced_the_function_since_keeps_its_own(
     cuda_history: HistoryStandIn, monkeypatch: pytest.MonkeyPatch
 ) -> None:

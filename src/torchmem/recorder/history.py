@@ -90,7 +90,13 @@ class _SharedHistory:
             self.theirs = _UNKNOWN if cuda_history_enabled() else None
             intercept_cuda_history(self._intercepted)
         self.leases.append(lease)
-        self._apply()
+        try:
+            self._apply()
+        except BaseException:  # the recording does not start: nothing of ours stays
+            self.leases.remove(lease)
+            if not self.leases:
+                stop_intercepting_cuda_history()
+            raise
         if self.theirs == _UNKNOWN:
             lease.notes.append(
                 "The program had turned PyTorch's CUDA memory history on before the"

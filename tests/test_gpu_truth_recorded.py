@@ -2,9 +2,9 @@
 scripts/gpu_check.sh``): a memory snapshot of each training step of
 :mod:`gpu_workloads`, with the caching allocator's own counters (``facts.json``), checked
 here without a GPU: the snapshot reader's peak is ``max_memory_allocated()``, the
-allocator model replays the trace exactly, and the estimate of the same step lands near
-the real peak and reserve. On a GPU (tests marked ``cuda``), ``torchmem.record()`` of the
-step peaks at ``max_memory_allocated()`` too.
+allocator model replays the trace exactly, and the estimate of the same step is the real
+peak and reserve (or differs by the bytes written here). On a GPU (tests marked
+``cuda``), ``torchmem.record()`` of the step peaks at ``max_memory_allocated()`` too.
 """
 
 from __future__ import annotations
@@ -25,8 +25,9 @@ from torchmem.estimator.replay import replay, start_layout
 RECORDED = Path(__file__).resolve().parent / "data" / "gpu_truth" / "recorded"
 FACTS = json.loads((RECORDED / "facts.json").read_text())
 NAMES = sorted(FACTS["workloads"])
-PEAK_ERROR = 0.01
-RESERVED_ERROR = 0.03
+DIFFERENCE = {"lm-small-fullstep-fp32": (-8_192, 0)}
+"""Estimated minus real (peak, reserved) bytes where they are not equal: a backward pass's
+scratch tensors differ between CUDA's kernels and the CPU's."""
 
 
 def snapshot(name: str, tmp_path: Path) -> tuple[dict[str, Any], Path]:
@@ -62,12 +63,12 @@ def test_the_allocator_model_replays_the_trace_exactly(name: str, tmp_path: Path
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_the_estimate_is_near_the_real_peak_and_reserve(name: str) -> None:
+def test_the_estimate_is_the_real_peak_and_reserve(name: str) -> None:
     facts, workload = FACTS["workloads"][name], WORKLOADS[name]
     estimate = torchmem.estimate(lambda: workload.step(workload.build("cuda")))
     peak, reserved = facts["max_memory_allocated"], facts["max_memory_reserved"]
-    assert abs(estimate.peak_bytes - peak) <= PEAK_ERROR * peak
-    assert abs(estimate.reserved_bytes - reserved) <= RESERVED_ERROR * reserved
+    found = (estimate.peak_bytes - peak, estimate.reserved_bytes - reserved)
+    assert found == DIFFERENCE.get(name, (0, 0))
 
 
 @pytest.mark.cuda

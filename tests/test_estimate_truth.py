@@ -2,7 +2,7 @@
 snapshots in ``../shared/gpu-truth`` (a 2.7B-parameter Transformer LM on an 80 GB GPU),
 compared with the peak and reserved bytes measured from those snapshots.
 
-The real numbers are written here (each from the file named beside it), so these tests
+The real numbers are test_allocator_truth's (from the files its table names), so these tests
 need no GPU and no ``../shared``. Like is compared with like: the real runs built their
 model on the CPU and moved it to the GPU before their history began, so their peak
 includes the parameters, as the estimate of a function that builds and moves the model
@@ -21,6 +21,7 @@ import pytest
 import torch
 
 import transformer_lm as lm
+from test_allocator_truth import TRUTH as REAL
 from torchmem.estimator import estimate
 
 MIB = 2**20
@@ -61,25 +62,20 @@ def test_the_tiny_model_runs_every_configuration() -> None:
     assert step.categories["optimizer_state"] == 2 * step.categories["parameters"]
 
 
-# configuration -> (real peak, real reserved, estimated peak, estimated reserved), bytes;
-# the real ones from ../shared/gpu-truth/transformer-2.7b-<configuration>.pickle
-# (max_memory_allocated as the trace's block-byte replay gives it; reserved at the end).
-TRUTH = {
-    "ctx128-forward-fp32": (19_498_420_224, 19_667_091_456, 19_498_420_224, 19_667_091_456),
-    "ctx512-forward-fp32": (43_810_334_720, 44_715_474_944, 43_810_334_720, 44_715_474_944),
-    "ctx128-fullstep-fp32": (55_079_000_576, 61_111_009_280, 54_941_997_568, 61_010_345_984),
-    "ctx512-fullstep-fp32": (55_003_351_552, 62_830_673_920, 55_004_072_448, 63_113_789_440),
-    "ctx128-forward-bf16autocast": (
-        24_024_505_344,
-        24_245_174_272,
-        24_024_505_344,
-        24_245_174_272,
-    ),
+ESTIMATED = {
+    # configuration -> (estimated peak, estimated reserved), bytes; the real ones are
+    # test_allocator_truth's, from ../shared/gpu-truth/transformer-2.7b-<configuration>.pickle
+    # (max_memory_allocated as the trace's block-byte replay gives it; reserved at the end)
+    "ctx128-forward-fp32": (19_498_420_224, 19_667_091_456),
+    "ctx512-forward-fp32": (43_810_334_720, 44_715_474_944),
+    "ctx128-fullstep-fp32": (54_941_997_568, 61_010_345_984),
+    "ctx512-fullstep-fp32": (55_004_072_448, 63_113_789_440),
+    "ctx128-forward-bf16autocast": (24_024_505_344, 24_245_174_272),
 }
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("configuration", list(TRUTH))
+@pytest.mark.parametrize("configuration", list(ESTIMATED))
 def test_the_estimate_matches_the_real_gpu(configuration: str) -> None:
     context, kind, precision = configuration.split("-")
     config = dataclasses.replace(lm.XL, context=int(context[3:]))
@@ -87,10 +83,10 @@ def test_the_estimate_matches_the_real_gpu(configuration: str) -> None:
         found = estimate(lm.fullstep, config)
     else:
         found = estimate(lm.forward, config, torch.bfloat16 if "bf16" in precision else None)
-    peak, reserved, estimated_peak, estimated_reserved = TRUTH[configuration]
-    assert (found.peak_bytes, found.reserved_bytes) == (estimated_peak, estimated_reserved)
-    # The targets: peak within 1% in float32 and 2% under bfloat16 autocast,
-    # reserved within 3%.
+    peak, reserved = REAL[f"transformer-2.7b-{configuration}.pickle"][:2]
+    assert (found.peak_bytes, found.reserved_bytes) == ESTIMATED[configuration]
+    # The targets: peak within 1% in float32 and 2% under bfloat16 autocast, reserved
+    # within 3%.
     within = 0.02 if "bf16" in precision else 0.01
     assert abs(found.peak_bytes - peak) <= within * peak
     assert abs(found.reserved_bytes - reserved) <= 0.03 * reserved

@@ -18,8 +18,9 @@ import torchmem
 from standins import MiB
 from torchmem.meters import meter
 from torchmem.recorder.analysis import Names, device_run
-from torchmem.recorder.hooks import Interval, Watcher
+from torchmem.recorder.hooks import Notes, Watcher
 from torchmem.recorder.sources import Log, cuda_events
+from torchmem.recorder.tally import CLOSE, HIT, OPEN
 from torchmem.records.frames import (
     BACKWARD,
     ENGINE,
@@ -160,23 +161,29 @@ def test_cuda_history_sites_follow_the_rule_and_keep_the_stack() -> None:
 
 
 def test_cuda_backward_is_named_after_the_module_whose_backward_ran() -> None:
-    """A CUDA recording's log, with the module intervals its watcher saw."""
+    """A CUDA recording's log, with the backward passes its watcher saw."""
     model = nn.Sequential(nn.Linear(2, 2))
     watcher = Watcher()
     watcher.roots = [model]
     watcher.modules = {id(m): m for m in model.modules()}
-    watcher.intervals = [
-        Interval(id(model), True, 100, 900),
-        Interval(id(model[0]), True, 101, 500),  # the same output: a moment apart
-    ]
+    notes = Notes()
+    for when, op, probe, module, depth in (
+        (100, OPEN, 1, model, 0),  # from 100 to 900
+        (101, OPEN, 2, model[0], 1),  # the same output, a moment apart: from 101 to 500
+        (500, HIT, 2, model[0], 1),
+        (900, HIT, 1, model, 0),
+        (990, CLOSE, 1, model, 0),
+        (990, CLOSE, 2, model[0], 1),
+    ):
+        notes.rows.append((when, op, probe, id(module), depth << 1 | 1, ""))
     trace = [
         {"action": "alloc", "addr": a, "size": s, "time_us": t, "frames": AUTOGRAD_THREAD}
         for a, s, t in ((0, 8 * MiB, 200), (10 * MiB, 4 * MiB, 600), (20 * MiB, MiB, 950))
     ]
     events, sites = cuda_events(trace, 0, 0)
     events[:, 0] //= 1000  # on the intervals' clock: microseconds here
-    log = Log("cuda:0", 0, 0, events, sites)
-    run, _ = device_run(log, [], 1000, Names(watcher), {}, 10)
+    found = Log("cuda:0", 0, 0, events, sites).tally(notes)
+    run = device_run(found, 1000, Names(watcher), watcher.names, {}, 10)
     assert [(s.file, s.bytes) for s in run.sites_at_peak] == [
         ("backward of 0", 8 * MiB),
         ("backward of Sequential", 4 * MiB),

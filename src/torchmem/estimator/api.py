@@ -207,12 +207,12 @@ def estimate(fn: Callable[..., Any], *args: Any, device: str = "cuda", **kwargs:
         -3: "cuBLASLt workspace (forward)",
         -4: "cuBLASLt workspace (backward)",
     }
-    run, replay = device_run(log, fake.watcher.marks, fake.stop, names, variables, TOP)
+    found = log.tally(fake.watcher.notes, every_device=True)
+    run = device_run(found, fake.stop, names, fake.watcher.names, variables, TOP)
     run = dataclasses.replace(run, device=target, reserved_peak_bytes=reserved)
     modules = module_peaks(
-        replay, fake.watcher.intervals, fake.watcher.modules, names.modules, fake.watcher.calls
+        found.tally, target, fake.watcher.modules, names.modules, fake.watcher.calls
     )
-    modules = tuple(dataclasses.replace(m, device=target) for m in modules)
     cuda = target == "cuda"
     return Estimate(
         device=target,

@@ -44,7 +44,7 @@ from torchmem._compat import (
 from torchmem.estimator.autocast import CudaRules
 from torchmem.estimator.placement import GPU_AS_CPU, OnFakeCpu, any_on, mark
 from torchmem.meters.tensor import TensorMeter
-from torchmem.recorder.hooks import Watcher
+from torchmem.recorder.hooks import Notes, Watcher
 from torchmem.recorder.sources import NO_SITE, Log
 from torchmem.records.frames import (
     BACKWARD,
@@ -350,6 +350,7 @@ def run_fake(
     meter.gpu_only = cuda
     operators = _Operators(meter)
     watcher = Watcher(address=_address)
+    watcher.use(notes=Notes())
     base = 0
     compiled: list[bool] = []
     with contextlib.ExitStack() as stack:

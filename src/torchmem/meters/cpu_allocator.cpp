@@ -70,25 +70,42 @@ c10::DeleterFnPtr default_deleter = nullptr;
 
 // The recording ------------------------------------------------------------------------
 
-// One allocation (size > 0) or free (size < 0), as five int64 in this order.
+// One row of the stream torchmem.recorder.tally reads, as six int64 in this order.
 struct Event {
   int64_t time_ns;  // steady clock: CLOCK_MONOTONIC, as Python's time.monotonic_ns()
-  int64_t ptr;      // the data pointer
-  int64_t size;
-  int64_t site;     // an index into the sites; kNoSite, kNoPython or kNoFrame
-  int64_t other;    // the matching free of an allocation, the allocation of a free; -1
+  int64_t ptr;      // the data pointer (a probe: its number)
+  int64_t size;     // bytes; negative for a free
+  int64_t site;     // an allocation's site index (or kNoSite, kNoPython, kNoFrame); payload
+  int64_t ref;      // the sequence number of the allocation a free, mark or adoption names
+  int64_t kind;     // kAlloc, kFree, or what Python noted (torchmem.recorder.tally.KINDS)
 };
-static_assert(sizeof(Event) == 5 * sizeof(int64_t), "five int64");
+static_assert(sizeof(Event) == 6 * sizeof(int64_t), "six int64");
 
 constexpr int64_t kNoSite = -1;    // sites are not recorded
 constexpr int64_t kNoPython = -2;  // a thread Python does not know (intra-op workers)
 constexpr int64_t kNoFrame = -3;   // no Python frame on the stack
+constexpr int64_t kAlloc = 0;
+constexpr int64_t kFree = 1;
+constexpr int64_t kAdopt = 2;
+constexpr int64_t kOtherCategory = 4;  // torchmem.records.run.CATEGORIES: "other"
+
+// A storage alive while recording: its allocation's sequence number, and the lowest
+// category a mark gave it (a mark that gives none lower is not logged).
+struct Live {
+  int64_t seq;
+  int64_t category;
+};
 
 // 0: not recording; 1: recording; 2: recording with sites.
+//
+// The log is a stream that Python drains (torchmem_record_take) while the recording
+// runs: its memory is bounded by what accumulates between two drains, not by the run.
+// Each row's sequence number is its place in the whole stream: taken + its index.
 std::atomic<int> recording{0};
 std::mutex& log_mutex = *new std::mutex();
 std::vector<Event>& events = *new std::vector<Event>();
-std::unordered_map<void*, int64_t>& live = *new std::unordered_map<void*, int64_t>();
+int64_t taken = 0;  // rows drained since the recording started
+std::unordered_map<void*, Live>& live = *new std::unordered_map<void*, Live>();
 
 inline int64_t now_ns() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(
@@ -300,8 +317,9 @@ void record_alloc(void* data, int64_t n) {
   if (!recording.load(std::memory_order_relaxed)) {
     return;
   }
-  live[data] = static_cast<int64_t>(events.size());
-  events.push_back({now_ns(), reinterpret_cast<int64_t>(data), n, site, -1});
+  const int64_t seq = taken + static_cast<int64_t>(events.size());
+  live[data] = {seq, kOtherCategory};
+  events.push_back({now_ns(), reinterpret_cast<int64_t>(data), n, site, -1, kAlloc});
 }
 
 void record_free(void* data, int64_t n) {
@@ -309,15 +327,13 @@ void record_free(void* data, int64_t n) {
   if (!recording.load(std::memory_order_relaxed)) {
     return;
   }
-  const int64_t index = static_cast<int64_t>(events.size());
-  int64_t other = -1;
+  int64_t ref = -1;
   auto found = live.find(data);
   if (found != live.end()) {
-    other = found->second;
-    events[other].other = index;
+    ref = found->second.seq;
     live.erase(found);
   }
-  events.push_back({now_ns(), reinterpret_cast<int64_t>(data), -n, kNoSite, other});
+  events.push_back({now_ns(), reinterpret_cast<int64_t>(data), -n, kNoSite, ref, kFree});
 }
 
 inline void grow(int64_t n) {
@@ -449,6 +465,7 @@ int torchmem_install() {
           recording.store(0);
           std::vector<Event>().swap(events);
           live.clear();
+          taken = 0;
           log_mutex.unlock();
           adopted_mutex.unlock();
         });
@@ -531,6 +548,7 @@ void torchmem_record_start(int with_sites, void*) {
   std::lock_guard<std::mutex> lock(log_mutex);
   events.clear();
   live.clear();
+  taken = 0;
 #ifdef TORCHMEM_PYTHON
   clear_sites();
   Py_XINCREF(match);
@@ -541,19 +559,19 @@ void torchmem_record_start(int with_sites, void*) {
   recording.store(with_sites ? 2 : 1);
 }
 
-// Stops recording; returns the number of events logged.
+// Stops recording; returns the sequence number after the last row.
 int64_t torchmem_record_stop() {
   recording.store(0);
   std::lock_guard<std::mutex> lock(log_mutex);
   live.clear();
-  return static_cast<int64_t>(events.size());
+  return taken + static_cast<int64_t>(events.size());
 }
 
-// The number of events logged so far, the recording going on (a recording inside another
-// starts and ends at such counts).
+// The sequence number of the next row, the recording going on (a recording inside
+// another starts and ends at such numbers).
 int64_t torchmem_record_count() {
   std::lock_guard<std::mutex> lock(log_mutex);
-  return static_cast<int64_t>(events.size());
+  return taken + static_cast<int64_t>(events.size());
 }
 
 // Records each allocation's site from now on, if the running recording does not already.
@@ -564,15 +582,56 @@ void torchmem_record_sites() {
 #endif
 }
 
-// Copies up to n events (five int64 each), from event `first` on, to out; returns how many
-// it copied.
-int64_t torchmem_record_events(int64_t* out, int64_t first, int64_t n) {
+// Moves up to n of the oldest rows (six int64 each) to out; returns how many it moved.
+int64_t torchmem_record_take(int64_t* out, int64_t n) {
   std::lock_guard<std::mutex> lock(log_mutex);
-  const int64_t size = static_cast<int64_t>(events.size());
-  first = std::min(std::max<int64_t>(first, 0), size);
-  const int64_t count = std::min(n, size - first);
-  std::memcpy(out, events.data() + first, static_cast<size_t>(count) * sizeof(Event));
+  const int64_t count = std::min(std::max<int64_t>(n, 0), static_cast<int64_t>(events.size()));
+  std::memcpy(out, events.data(), static_cast<size_t>(count) * sizeof(Event));
+  events.erase(events.begin(), events.begin() + count);
+  taken += count;
   return count;
+}
+
+// A mark: the storage at ptr is of `category` now. Returns the sequence number of its
+// allocation where that lowers the category it had (the caller then notes the mark with
+// torchmem_record_note), else -1: a storage not recording saw, or one known as such.
+int64_t torchmem_record_mark(void* ptr, int64_t category) {
+  std::lock_guard<std::mutex> lock(log_mutex);
+  auto found = live.find(ptr);
+  if (!recording.load(std::memory_order_relaxed) || found == live.end() ||
+      found->second.category <= category) {
+    return -1;
+  }
+  found->second.category = category;
+  return found->second.seq;
+}
+
+// Appends a row Python made (a mark, a probe) to the log.
+void torchmem_record_note(int64_t kind, int64_t ptr, int64_t site, int64_t ref) {
+  std::lock_guard<std::mutex> lock(log_mutex);
+  if (recording.load(std::memory_order_relaxed)) {
+    events.push_back({now_ns(), ptr, 0, site, ref, kind});
+  }
+}
+
+// Adopts, for the recording `ident`, a storage alive when it started: a row that names
+// it by its allocation's sequence number if the log saw it, else by this row's. Its
+// marks start over (a recording inside another marks what it holds anew).
+void torchmem_record_adopt(void* ptr, int64_t size, int64_t ident) {
+  std::lock_guard<std::mutex> lock(log_mutex);
+  if (!recording.load(std::memory_order_relaxed)) {
+    return;
+  }
+  const int64_t seq = taken + static_cast<int64_t>(events.size());
+  auto found = live.find(ptr);
+  int64_t ref = seq;
+  if (found != live.end()) {
+    ref = found->second.seq;
+    found->second.category = kOtherCategory;
+  } else {
+    live[ptr] = {seq, kOtherCategory};
+  }
+  events.push_back({now_ns(), reinterpret_cast<int64_t>(ptr), size, ident, ref, kAdopt});
 }
 
 // Whether sites can be recorded (built with Python's headers).
@@ -613,6 +672,7 @@ void torchmem_record_clear() {
   std::lock_guard<std::mutex> lock(log_mutex);
   std::vector<Event>().swap(events);
   live.clear();
+  taken = 0;
 #ifdef TORCHMEM_PYTHON
   clear_sites();
 #endif

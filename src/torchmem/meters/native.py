@@ -22,6 +22,7 @@ import threading
 from pathlib import Path
 from types import CodeType
 
+import numpy as np
 import torch
 
 from torchmem.errors import TorchmemError
@@ -63,8 +64,25 @@ class CpuAllocatorLibrary:
         self._py.torchmem_record_start.argtypes = [ctypes.c_int, ctypes.py_object]
         self._py.torchmem_record_stop.restype = ctypes.c_int64
         self._py.torchmem_record_count.restype = ctypes.c_int64
-        self._py.torchmem_record_events.restype = ctypes.c_int64
-        self._py.torchmem_record_events.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
+        self._py.torchmem_record_take.restype = ctypes.c_int64
+        self._py.torchmem_record_take.argtypes = [ctypes.c_void_p, ctypes.c_int64]
+        # Called from the hooks, many times a step: plain functions, ctypes' cheapest call.
+        mark = self._py.torchmem_record_mark
+        mark.restype = ctypes.c_int64
+        mark.argtypes = [ctypes.c_void_p, ctypes.c_int64]
+        self.mark = mark
+        """``mark(ptr, category)``: the sequence number of the allocation at `ptr` where
+        this lowers its category, else -1 (see :meth:`note`)."""
+        note = self._py.torchmem_record_note
+        note.restype = None
+        note.argtypes = [ctypes.c_int64] * 4
+        self.note = note
+        """``note(kind, ptr, site, ref)``: append a row (a mark, a probe) to the log."""
+        adopt = self._py.torchmem_record_adopt
+        adopt.restype = None
+        adopt.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
+        self.adopt_row = adopt
+        """``adopt_row(ptr, bytes, ident)``: a storage alive when recording `ident` started."""
         self._recordings = 0
         """How many recordings share the log now."""
         self._recordings_lock = threading.Lock()
@@ -96,7 +114,7 @@ class CpuAllocatorLibrary:
         return int(self._lib.torchmem_adopt(storage_key))
 
     def record_start(self, sites: bool) -> int:
-        """Start logging every allocation and free (see :meth:`record_stop`), with the
+        """Start logging every allocation and free (see :meth:`take`), with the
         allocation's site where `sites` is true: the frame that the rule of
         :mod:`torchmem.records.frames` picks from the allocating thread's Python stack (the
         library calls that rule's regular expression on each new code object). A thread
@@ -104,7 +122,8 @@ class CpuAllocatorLibrary:
 
         Recordings may nest and overlap (a ``torchmem.record()`` inside ``torchmem run``,
         or inside a test the pytest plugin records): they share one log, which starts
-        with the first and ends with the last. Returns where this one's events begin.
+        with the first and ends with the last. Returns the sequence number of this one's
+        first row.
         """
         with self._recordings_lock:
             if self._recordings:
@@ -117,29 +136,28 @@ class CpuAllocatorLibrary:
             self._recordings += 1
         return first
 
-    def record_stop(self, first: int) -> torch.Tensor:
-        """Stop the recording whose events begin at `first` (what :meth:`record_start`
-        returned); return its events as an int64 tensor of shape (events, 5): time
-        (``time.monotonic_ns()``'s clock), data pointer, bytes (negative for a free), site
-        index (:data:`NO_PYTHON_SITE`, :data:`NO_FRAME_SITE`, or -1: none) and the index, in this
-        tensor, of the matching free or allocation (-1: none, the other one is outside this
-        recording).
-        """
+    def record_stop(self) -> bool:
+        """End a recording; True where it was the last one (the log stopped)."""
         with self._recordings_lock:
             # Never below 0: in a child made by fork, recordings started before it end.
             self._recordings = max(self._recordings - 1, 0)
             if self._recordings:
-                end = int(self._py.torchmem_record_count())
-            else:
-                end = int(self._py.torchmem_record_stop())
-            log = torch.empty((max(end - first, 0), 5), dtype=torch.int64)
-            if len(log):
-                log = log[: int(self._py.torchmem_record_events(log.data_ptr(), first, len(log)))]
-        if first:
-            other = log[:, 4]
-            inside = (other >= first) & (other < first + len(log))
-            log[:, 4] = torch.where(inside, other - first, -1)
-        return log
+                return False
+            self._py.torchmem_record_stop()
+            return True
+
+    def count(self) -> int:
+        """The sequence number of the next row the log will hold."""
+        return int(self._py.torchmem_record_count())
+
+    def take(self, rows: int) -> np.ndarray:
+        """Move up to `rows` of the log's oldest rows out of it, as an int64 array of
+        shape (n, 6): the columns of :mod:`torchmem.recorder.tally` (time on
+        ``time.monotonic_ns()``'s clock, data pointer, bytes (negative for a free), site
+        index (:data:`NO_PYTHON_SITE`, :data:`NO_FRAME_SITE`, or -1: none), the sequence
+        number a free names (-1: allocated before the log started), kind)."""
+        out = np.empty((rows, 6), np.int64)
+        return out[: int(self._py.torchmem_record_take(out.ctypes.data, rows))]
 
     def record_site(
         self, index: int

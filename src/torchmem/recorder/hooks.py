@@ -3,22 +3,26 @@
 Models and optimizers are discovered without the user naming them: a global module
 forward hook sees every module called, a global optimizer step hook every optimizer
 stepped, and saved-tensor hooks every tensor autograd keeps for the backward pass. Each
-sighting is a :class:`Mark`: at this time, the storage at this address was a parameter,
-a gradient, optimizer state or an activation. The analysis gives each allocation the
-first category of :data:`~torchmem.records.run.CATEGORIES` it was marked with.
+sighting is a mark: now, the storage at this address is a parameter, a gradient,
+optimizer state or an activation. The tally gives each allocation the first category of
+:data:`~torchmem.records.run.CATEGORIES` it was marked with.
 
-Each module's forward call is an interval; so is its backward, from the moment the
-gradient of one of its outputs is ready to the last moment a gradient of one of its inputs
-(or, where no input needs one, of its parameters) is.
+Each module's forward call is a probe that opens and closes; so is its backward, from the
+moment the gradient of one of its outputs is ready to the last moment a gradient of one of
+its inputs (or, where no input needs one, of its parameters) is. Marks and probes go, as
+rows of :mod:`torchmem.recorder.tally`'s stream, to a :class:`Sink`: the counting
+allocator's log for CPU tensors (in order with its allocations), a :class:`Notes` buffer
+for the others. Nothing the watcher keeps grows with the run's length.
 """
 
 from __future__ import annotations
 
 import gc
+import itertools
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -29,7 +33,8 @@ from torch.optim.optimizer import (
 )
 from torch.utils.hooks import RemovableHandle
 
-from torchmem._compat import disable_dynamo
+from torchmem._compat import disable_dynamo, keep_dynamo_out
+from torchmem.recorder.tally import CLOSE, HIT, MARK, OPEN
 from torchmem.tensors import discover
 
 PARAMETERS, GRADIENTS, OPTIMIZER_STATE, ACTIVATIONS, OTHER = range(5)
@@ -39,31 +44,49 @@ PENDING = 8
 e.g. evaluation with gradients on, drop the oldest)."""
 
 
-@dataclass(frozen=True)
-class Mark:
-    """At `time` (``time.monotonic_ns()``), the storage at `ptr` on `device` was in `category`."""
-
-    time: int
-    device: str
-    ptr: int
-    category: int
-    name: tuple[Any, ...] | None
-    """What names it, resolved once the run is over: ``("param", module id, attribute)``,
-    ``("grad", ...)``, ``("state", optimizer class, parameter id, key)``, ``("saved",
-    module id)``."""
-    shape: tuple[int, ...]
-    dtype: str
+NOTES = 1 << 18
+"""Marks and probes a :class:`Notes` buffer keeps at most (the latest)."""
+_numbers = itertools.count()
+"""Probe numbers, unique in the process (recordings that nest share one log)."""
 
 
-@dataclass(frozen=True)
-class Interval:
-    """A module's forward or backward, in ``time.monotonic_ns()`` nanoseconds."""
+class NameTable:
+    """What marks named, by index: ``(name, shape, dtype)`` (see :attr:`Notes.rows`). Shared
+    by the recordings that share a log, so that one's index means the same to all."""
 
-    module: int
-    """``id()`` of the module."""
-    backward: bool
-    start: int
-    end: int
+    def __init__(self) -> None:
+        self.entries: list[tuple[tuple[Any, ...] | None, tuple[int, ...], str]] = []
+        self._index: dict[tuple[Any, ...], int] = {}
+
+    def intern(self, name: tuple[Any, ...] | None, tensor: torch.Tensor) -> int:
+        entry = (name, tuple(tensor.shape), str(tensor.dtype))
+        index = self._index.get(entry)
+        if index is None:
+            index = self._index[entry] = len(self.entries)
+            self.entries.append(entry)
+        return index
+
+
+class Notes:
+    """Marks and probes kept in Python, with their times, for a stream made later (CUDA's
+    allocator history, the estimator's log): the latest :data:`NOTES`."""
+
+    def __init__(self) -> None:
+        self.rows: deque[tuple[int, int, int, int, int, str]] = deque(maxlen=NOTES)
+        """``(time, kind, ptr or probe number, payload or module, ref, device)``."""
+        self.lost = 0
+        """Notes older than those kept."""
+
+    def _add(self, row: tuple[int, int, int, int, int, str]) -> None:
+        if len(self.rows) == NOTES:
+            self.lost += 1
+        self.rows.append(row)
+
+    def mark(self, ptr: int, payload: int, device: str) -> None:
+        self._add((time.monotonic_ns(), MARK, ptr, payload, -1, device))
+
+    def probe(self, kind: int, number: int, module: int, ref: int) -> None:
+        self._add((time.monotonic_ns(), kind, number, module, ref, ""))
 
 
 class Watcher:
@@ -78,8 +101,10 @@ class Watcher:
 
     def __init__(self, address: Callable[[torch.Tensor], int] | None = None) -> None:
         self._address = address or _data_ptr
-        self.marks: list[Mark] = []
-        self.intervals: list[Interval] = []
+        self._log_mark: Callable[[int, int], int] | None = None
+        self._log_note: Callable[[int, int, int, int], None] | None = None
+        self.notes: Notes | None = None
+        self.names = NameTable()
         self.modules: dict[int, torch.nn.Module] = {}
         """Every module called, by id, in the order of first call."""
         self.roots: list[torch.nn.Module] = []
@@ -92,20 +117,47 @@ class Watcher:
         self._saved: saved_tensors_hooks | None = None
         self._roots: set[int] = set()
         self._known: dict[int, torch.nn.Module] = {}  # modules seen, or alive at the end
+        # Dynamo must not trace the hooks (it fails on them): they run eagerly, and a
+        # compiled module breaks its graph around them.
+        self._hooks = [
+            _opaque(h) for h in (self._forward_pre, self._forward, self._step_pre, self._step)
+        ]
+        self._saved_hooks = (_opaque(self._pack), _opaque(_unpack))
 
     # Installing ------------------------------------------------------------------------
 
+    def use(
+        self,
+        log: tuple[Callable[[int, int], int], Callable[[int, int, int, int], None]] | None = None,
+        notes: Notes | None = None,
+        names: NameTable | None = None,
+    ) -> None:
+        """Where marks and probes go, before :meth:`start`.
+
+        Args:
+            log: the counting CPU allocator's ``(mark, note)`` functions (see
+                :class:`~torchmem.meters.native.CpuAllocatorLibrary`): CPU tensors' marks,
+                and the probes, go into its log.
+            notes: where the other marks go, and the probes too.
+            names: the table marks' names go to (shared by the recordings a log serves).
+        """
+        if log is not None:
+            self._log_mark, self._log_note = log
+        if notes is not None:
+            self.notes = notes
+        if names is not None:
+            self.names = names
+
     def start(self) -> None:
         modules = torch.nn.modules.module
-        # Dynamo must not trace the hooks (it fails on them): they run eagerly, and a
-        # compiled module breaks its graph around them.
+        forward_pre, forward, step_pre, step = self._hooks
         self._handles = [
-            modules.register_module_forward_pre_hook(_opaque(self._forward_pre)),
-            modules.register_module_forward_hook(_opaque(self._forward), always_call=True),
-            register_optimizer_step_pre_hook(_opaque(self._step_pre)),
-            register_optimizer_step_post_hook(_opaque(self._step)),
+            modules.register_module_forward_pre_hook(forward_pre),
+            modules.register_module_forward_hook(forward, always_call=True),
+            register_optimizer_step_pre_hook(step_pre),
+            register_optimizer_step_post_hook(step),
         ]
-        self._saved = saved_tensors_hooks(_opaque(self._pack), _opaque(_unpack))
+        self._saved = saved_tensors_hooks(*self._saved_hooks)
         self._saved.__enter__()
 
     def stop(self, held: Iterable[object] = ()) -> None:
@@ -144,18 +196,22 @@ class Watcher:
             ptr = self._address(tensor)
         except Exception:  # no storage (sparse, wrapper subclasses): nothing to attribute
             return
-        if ptr:
-            self.marks.append(
-                Mark(
-                    time.monotonic_ns(),
-                    str(tensor.device),
-                    ptr,
-                    category,
-                    name,
-                    tuple(tensor.shape),
-                    str(tensor.dtype),
-                )
-            )
+        if not ptr:
+            return
+        if self._log_mark is not None and tensor.device.type == "cpu":
+            seq = self._log_mark(ptr, category)
+            if seq >= 0:
+                payload = self.names.intern(name, tensor) << 3 | category
+                self._log_note(MARK, ptr, payload, seq)  # type: ignore[misc]
+        elif self.notes is not None:
+            payload = self.names.intern(name, tensor) << 3 | category
+            self.notes.mark(ptr, payload, str(tensor.device))
+
+    def _probe(self, kind: int, number: int, module: int, ref: int) -> None:
+        if self._log_note is not None:
+            self._log_note(kind, number, module, ref)
+        if self.notes is not None:
+            self.notes.probe(kind, number, module, ref)
 
     def _mark_parameters(self, module: torch.nn.Module) -> None:
         for attribute, param in module._parameters.items():
@@ -177,6 +233,7 @@ class Watcher:
     # Hooks ---------------------------------------------------------------------------
 
     def _stack(self) -> list[tuple[int, int]]:
+        """This thread's modules in their forward calls: (id, probe number)."""
         stack: list[tuple[int, int]] | None = getattr(self._local, "stack", None)
         if stack is None:
             stack = self._local.stack = []
@@ -195,17 +252,19 @@ class Watcher:
         self._mark_parameters(module)
         pending = self._pending.get(key)
         if pending:  # the backward passes done since its last call (never inside autograd)
-            for backward in [b for b in pending if b.last is not None]:
+            for backward in [b for b in pending if b.ended]:
                 pending.remove(backward)
                 self._close(backward)
-        stack.append((key, time.monotonic_ns()))
+        number = next(_numbers)
+        self._probe(OPEN, number, key, len(stack) << 1)
+        stack.append((key, number))
 
     def _forward(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         stack = self._stack()
         if not stack or stack[-1][0] != id(module):
             return
-        key, started = stack.pop()
-        self.intervals.append(Interval(key, False, started, time.monotonic_ns()))
+        key, number = stack.pop()
+        self._probe(CLOSE, number, key, len(stack) << 1)
         if not torch.is_grad_enabled():
             return
         outputs = [t for t in _tensors(output) if t.requires_grad]
@@ -216,7 +275,7 @@ class Watcher:
             ends = [p for p in module.parameters() if p.requires_grad]
         if not ends:
             return
-        backward = _Backward(key)
+        backward = _Backward(key, len(stack), self._probe)
         backward.handles = [register_multi_grad_hook(outputs, backward.begin, mode="any")]
         # One hook per tensor, not a multi-grad hook in mode "all": that one raises inside
         # torch.autograd.grad() for leaf tensors (parameters, inputs).
@@ -242,20 +301,21 @@ class Watcher:
         return tensor.detach()
 
     def _close(self, backward: _Backward) -> None:
-        """Remove `backward`'s hooks; keep its interval if it ran."""
+        """Remove `backward`'s hooks; close its probe if it began."""
         for handle in backward.handles:
             handle.remove()
-        if backward.started is not None and backward.last is not None:
-            self.intervals.append(Interval(backward.key, True, backward.started, backward.last))
+        backward.close()
 
 
 def _opaque(hook: Callable[..., Any]) -> Callable[..., Any]:
-    """`hook` in a function Dynamo never traces (a bound method cannot carry the mark)."""
+    """`hook` in a function Dynamo never traces (a bound method cannot carry the mark),
+    marked without importing Dynamo where PyTorch allows (its import is not the program's
+    memory)."""
 
     def call(*args: Any) -> Any:
         return hook(*args)
 
-    return disable_dynamo(call)
+    return call if keep_dynamo_out(call) else disable_dynamo(call)
 
 
 def _data_ptr(tensor: torch.Tensor) -> int:
@@ -267,22 +327,32 @@ def _unpack(tensor: torch.Tensor) -> torch.Tensor:
 
 
 class _Backward:
-    """One forward call's backward: from the gradient of one of its outputs to the last
-    gradient of its inputs (or parameters) seen before the module's next call."""
+    """One forward call's backward: a probe that opens at the gradient of one of its
+    outputs, hits at each gradient of its inputs (or parameters), and closes at the
+    module's next call."""
 
-    def __init__(self, key: int) -> None:
+    def __init__(self, key: int, depth: int, probe: Callable[[int, int, int, int], None]) -> None:
         self.key = key
-        self.started: int | None = None
-        self.last: int | None = None
+        self.ref = depth << 1 | 1
+        self.number = next(_numbers)
+        self.started = False
+        self.ended = False
         self.handles: list[RemovableHandle] = []
+        self._probe = probe
 
     def begin(self, grad: Any) -> None:
-        if self.started is None:
-            self.started = time.monotonic_ns()
+        if not self.started:
+            self.started = True
+            self._probe(OPEN, self.number, self.key, self.ref)
 
     def end(self, grad: Any) -> None:
-        if self.started is not None:
-            self.last = time.monotonic_ns()
+        if self.started:
+            self.ended = True
+            self._probe(HIT, self.number, self.key, self.ref)
+
+    def close(self) -> None:
+        if self.started:
+            self._probe(CLOSE, self.number, self.key, self.ref)
 
 
 def _tensors(value: Any) -> Iterator[torch.Tensor]:

@@ -16,8 +16,8 @@ from torchmem._compat import getframe
 from torchmem.errors import TorchmemError
 from torchmem.meters import meter
 from torchmem.recorder.analysis import Names, device_run, laps_run, module_peaks
-from torchmem.recorder.hooks import Watcher
-from torchmem.recorder.sources import CpuLog, CudaLog, Laps, Log
+from torchmem.recorder.hooks import Notes, Watcher
+from torchmem.recorder.sources import CpuLog, CudaLog, Laps, Tallied
 from torchmem.records.run import DeviceRun, ModulePeak, RunRecord
 from torchmem.resolve import DeviceLike, resolve_device
 
@@ -74,7 +74,7 @@ class Recording:
         self._cpu: CpuLog | None = None
         self._cuda: CudaLog | None = None
         self._laps: list[Laps] = []
-        self._logs: list[Log] = []
+        self._logs: list[Tallied] = []
         self._variables: dict[int, str] = {}
         self._started = self._stopped = 0
         self._report: RunReport | None = None
@@ -98,6 +98,8 @@ class Recording:
             self._laps.append(Laps(meter(wanted)))
         if wanted in (None, "ram"):
             self._laps.append(Laps(meter("ram")))
+        # Made before anything counts: wrapping the hooks may import Dynamo.
+        watcher = Watcher() if self._cpu is not None or self._cuda is not None else None
         self._started = time.monotonic_ns()
         for laps in self._laps:
             laps.begin()
@@ -105,9 +107,14 @@ class Recording:
             self._cpu.start()
         if self._cuda is not None:
             self._cuda.start()
-        if self._cpu is not None or self._cuda is not None:
-            self._watcher = Watcher()
-            self._watcher.start()
+        if watcher is not None:
+            stream = self._cpu.stream if self._cpu is not None else None
+            if stream is not None:
+                watcher.use(log=(stream.library.mark, stream.library.note), names=stream.names)
+            if self._cuda is not None:
+                watcher.use(notes=Notes())
+            self._watcher = watcher
+            watcher.start()
         return self
 
     def stop(self, variables: Mapping[str, object] | None = None) -> None:
@@ -121,6 +128,8 @@ class Recording:
             return
         self._stopped = time.monotonic_ns()
         try:
+            for laps in self._laps:  # first: what follows is torchmem's, not the program's
+                laps.end()
             namespace = variables or {}
             if self._watcher is not None:
                 self._watcher.stop(namespace.values())
@@ -129,9 +138,8 @@ class Recording:
             if self._cpu is not None:
                 self._logs.append(self._cpu.stop())
             if self._cuda is not None:
-                self._logs[:0] = self._cuda.stop()
-            for laps in self._laps:
-                laps.end()
+                notes = self._watcher.notes if self._watcher is not None else None
+                self._logs[:0] = self._cuda.stop(notes)
 
     def __enter__(self) -> Recording:
         return self.start()
@@ -193,14 +201,28 @@ class Recording:
         devices: dict[str, DeviceRun] = {}
         modules: tuple[ModulePeak, ...] = ()
         notes = []
-        for log in self._logs:
-            if log.device.startswith("cuda") and not len(log.events) and not log.base:
+        for found in self._logs:
+            tally = found.tally
+            if found.device.startswith("cuda") and not tally.events and not tally.base:
                 continue  # a GPU this run did not use
-            run, replay = device_run(log, watcher.marks, self._stopped, names, self._variables, top)
-            devices[log.device] = run
+            run = device_run(found, self._stopped, names, watcher.names, self._variables, top)
+            devices[found.device] = run
             if not modules and watcher.modules:
                 modules = module_peaks(
-                    replay, watcher.intervals, watcher.modules, names.modules, watcher.calls
+                    tally, found.device, watcher.modules, names.modules, watcher.calls
+                )
+            if tally.dropped:
+                notes.append(
+                    f"{found.device}: {tally.events:,} allocations and frees were tallied as"
+                    " they happened; kept are those alive at the peak and at the end, the"
+                    " highest use per interval and per module, and (for --snapshot) the"
+                    f" last {tally.events - tally.dropped:,}."
+                )
+            if found.lost_notes:
+                notes.append(
+                    f"{found.device}: the oldest {found.lost_notes:,} marks of what tensors"
+                    " were (parameters, gradients, ...) were not kept: allocations made"
+                    " before them and freed since may count as other."
                 )
         for laps in self._laps:
             devices[laps.device] = laps_run(laps)

@@ -4,14 +4,16 @@ PyTorch's own viewer (``pytorch.org/memory_viz``) and ``torch.cuda._memory_viz``
 CPU run as they open a CUDA one.
 
 - CUDA devices: PyTorch's own history, as the caching allocator recorded it.
-- CPU tensors: built from the counting allocator's log. CPU memory has no cache, so each
-  allocation alive at the end is a segment of its own holding one ``active_allocated``
-  block (reserved equals allocated), and the trace has, for each allocation,
-  ``segment_alloc`` then ``alloc``, and for each free ``free_requested``,
-  ``free_completed`` then ``segment_free``. Frames are the allocating line of the user's
-  code (one frame; none for storages that were alive when the recording started). The
-  CPU's index in ``device_traces`` is the one after the GPUs' (0 without GPUs), as in
-  PyTorch's ``_profile_to_snapshot``.
+- CPU tensors: built from the counting allocator's log, as tallied. CPU memory has no
+  cache, so each allocation alive at the end is a segment of its own holding one
+  ``active_allocated`` block (reserved equals allocated), and the trace has, for each
+  allocation, ``segment_alloc`` then ``alloc``, and for each free ``free_requested``,
+  ``free_completed`` then ``segment_free``: for the latest
+  :data:`~torchmem.recorder.tally.WINDOW` allocations and frees (the tally keeps no
+  more), as PyTorch's own history keeps only its latest actions. Frames are the
+  allocating line of the user's code (one frame; none for storages that were alive when
+  the recording started). The CPU's index in ``device_traces`` is the one after the
+  GPUs' (0 without GPUs), as in PyTorch's ``_profile_to_snapshot``.
 """
 
 from __future__ import annotations
@@ -19,41 +21,50 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from torchmem.recorder.sources import Log
+from torchmem.recorder.sources import Tallied
+from torchmem.recorder.tally import BEFORE_SITE, PTR, SITE, SIZE, TIME
 from torchmem.records.snapshot import DEVICE_NAMES
 
 Frame = dict[str, Any]
 
 
-def cpu_snapshot_parts(log: Log, device: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """The segments alive at the end, and the trace, of the CPU `log`, as device `device`."""
+def cpu_snapshot_parts(
+    found: Tallied, device: int
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The segments alive at the end, and the trace, of the CPU recording `found`, as
+    device `device`."""
     # time.monotonic_ns() in the log; PyTorch's time_us is microseconds since the epoch.
     offset = time.time_ns() - time.monotonic_ns()
-    frames_of = {
-        index: [{"filename": file, "line": line, "name": function}]
-        for index, (file, line, function) in log.sites.items()
-    }
-    live: dict[int, tuple[int, list[Frame]]] = {
-        address: (size, []) for address, size in log.baseline.items()
-    }
+
+    def frames_of(site: int) -> list[Frame]:
+        key = found.sites.get(site) if site != BEFORE_SITE else None
+        return [] if key is None else [{"filename": key[0], "line": key[1], "name": key[2]}]
+
+    live = found.tally.live
+    segments = [
+        _segment(device, address, size, frames_of(site))
+        for address, size, site in zip(
+            live.ptr.tolist(), live.size.tolist(), live.site.tolist(), strict=True
+        )
+    ]
     trace: list[dict[str, Any]] = []
-    for when, address, size, site, _ in log.events.tolist():
+    made: dict[int, list[Frame]] = {}  # address -> the frames of its allocation
+    rows = found.tally.recent_rows()
+    for when, address, size, site in rows[:, [TIME, PTR, SIZE, SITE]].tolist():
         time_us = (when + offset) // 1000
         if size > 0:
-            frames = frames_of.get(site, [])
-            live[address] = (size, frames)
+            frames = made[address] = frames_of(site)
             for action in ("segment_alloc", "alloc"):
                 trace.append(_entry(action, address, size, time_us, frames))
         else:
-            freed, frames = live.pop(address, (-size, []))
+            frames = made.pop(address, [])
             for action in ("free_requested", "free_completed", "segment_free"):
-                trace.append(_entry(action, address, freed, time_us, frames))
-    segments = [_segment(device, address, size, frames) for address, (size, frames) in live.items()]
+                trace.append(_entry(action, address, -size, time_us, frames))
     segments.sort(key=lambda segment: segment["address"])
     return segments, trace
 
 
-def snapshot(cpu: Log | None, cuda: dict[str, Any] | None) -> dict[str, Any]:
+def snapshot(cpu: Tallied | None, cuda: dict[str, Any] | None) -> dict[str, Any]:
     """The snapshot of a recording: PyTorch's CUDA history `cuda` (``_snapshot()``'s
     dictionary, or None), with the CPU `log` (or None) as the device after the GPUs, and
     the name of each device under :data:`~torchmem.records.snapshot.DEVICE_NAMES`."""

@@ -11,19 +11,36 @@
 
 from __future__ import annotations
 
+import itertools
+import os
 import threading
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from types import CodeType
 from typing import Any
 
+import numpy as np
 import torch
 
 from torchmem.meters import Meter, Window, meter
 from torchmem.meters.cpu import CpuAllocatorMeter, live_storages
-from torchmem.meters.native import NO_FRAME_SITE, NO_PYTHON_SITE
+from torchmem.meters.native import NO_FRAME_SITE, NO_PYTHON_SITE, CpuAllocatorLibrary
 from torchmem.recorder import history
+from torchmem.recorder.hooks import NameTable, Notes
+from torchmem.recorder.tally import (
+    ALLOC,
+    COLUMNS,
+    FREE,
+    KIND,
+    MARK,
+    PTR,
+    REF,
+    SITE,
+    SIZE,
+    TIME,
+    Tally,
+)
 from torchmem.records.caching import KINDS, trace_blocks
 from torchmem.records.frames import (
     BACKWARD,
@@ -43,11 +60,18 @@ MAX_POINTS = 2000
 """A lapped timeline keeps at most this many intervals: past it, neighbours merge."""
 CUDA_ENTRIES = 1_000_000
 """How many allocator actions PyTorch's CUDA history keeps (its ring buffer)."""
+CHUNK = 1 << 16
+"""Rows of the CPU log tallied at once."""
+DRAIN_AT = 1 << 15
+"""Rows waiting in the CPU log that make the drain thread tally them."""
+DRAIN_EVERY = 0.05
+"""Seconds between two looks of the drain thread at the CPU log."""
 
 
 @dataclass
 class Log:
-    """Every allocation and free on one device during a recording."""
+    """Every allocation and free on one device, held in memory before it is tallied
+    (CUDA's allocator history, bounded by PyTorch's ring; the estimator's fake run)."""
 
     device: str
     base: int
@@ -61,16 +85,188 @@ class Log:
     sites: dict[int, SiteKey]
     """Site index -> (file, line, function), carrying the Python stack first seen there
     (:mod:`torchmem.records.frames`); :data:`~torchmem.records.frames.BACKWARD` for
-    allocations autograd's engine made. Index :data:`NO_PYTHON_SITE`: no Python frame (a thread
-    Python does not know: intra-op workers)."""
-    baseline: dict[int, int] = field(default_factory=dict)
-    """Address -> bytes of the storages Python could see when the recording started."""
+    allocations autograd's engine made."""
     reserved_peak: int | None = None
     """CUDA: the caching allocator's highest reserved bytes."""
 
+    def tally(self, notes: Notes | None = None, every_device: bool = False) -> Tallied:
+        """This log, with the marks of this device (of every device with `every_device`)
+        and the probes that `notes` holds, tallied."""
+        tally = Tally(self.base, self.start)
+        tally.engine = {i for i, key in self.sites.items() if key[0] == BACKWARD}
+        rows = stream(self.events.numpy(), notes, None if every_device else self.device)
+        for first in range(0, len(rows), CHUNK):
+            tally.feed(rows[first : first + CHUNK])
+        tally.finish()
+        lost = notes.lost if notes is not None else 0
+        return Tallied(self.device, tally, self.sites, self.reserved_peak, lost)
+
+
+@dataclass
+class Tallied:
+    """A device's recording, tallied: what the report is made from."""
+
+    device: str
+    tally: Tally
+    sites: dict[int, SiteKey]
+    """Site index -> site (see :attr:`Log.sites`); index :data:`NO_PYTHON_SITE`: no Python
+    frame (a thread Python does not know: intra-op workers)."""
+    reserved_peak: int | None = None
+    lost_notes: int = 0
+    """Marks and probes too old to be kept (see :class:`~torchmem.recorder.hooks.Notes`)."""
+
+
+def stream(events: np.ndarray, notes: Notes | None, device: str | None) -> np.ndarray:
+    """`events` (rows of :attr:`Log.events`) and the marks (of `device`; None: of every
+    device) and probes of `notes`, merged in time order into the rows of
+    :mod:`torchmem.recorder.tally`'s stream: a free names its allocation's row, a mark the
+    allocation alive at its address then."""
+    events = events.reshape(-1, 5)
+    held = notes.rows if notes is not None else ()
+    kept = [r for r in held if device is None or r[5] in ("", device)]
+    noted = np.array([r[:5] for r in kept], np.int64).reshape(-1, 5)
+    n, m = len(events), len(noted)
+    times = np.concatenate([events[:, 0], noted[:, 0]])
+    order = np.lexsort((np.arange(n + m), times))  # by time; an event before a note then
+    at = np.empty(n + m, np.int64)
+    at[order] = np.arange(n + m)
+    rows = np.empty((n + m, COLUMNS), np.int64)
+    mine, theirs = at[:n], at[n:]
+    frees = events[:, 2] < 0
+    other = events[:, 4]
+    rows[mine, TIME] = events[:, 0]
+    rows[mine, PTR] = events[:, 1]
+    rows[mine, SIZE] = events[:, 2]
+    rows[mine, SITE] = np.where(frees, NO_SITE, events[:, 3])
+    rows[mine, REF] = np.where(frees & (other >= 0), mine[np.maximum(other, 0)], -1)
+    rows[mine, KIND] = np.where(frees, FREE, ALLOC)
+    rows[theirs, TIME] = noted[:, 0]
+    rows[theirs, KIND] = noted[:, 1]
+    rows[theirs, PTR] = noted[:, 2]
+    rows[theirs, SITE] = noted[:, 3]
+    rows[theirs, SIZE] = 0
+    rows[theirs, REF] = noted[:, 4]
+    marks = theirs[noted[:, 1] == MARK]
+    if len(marks) and n:
+        rows[marks, REF] = _alive_at(rows, marks)
+    return rows
+
+
+def _alive_at(rows: np.ndarray, marks: np.ndarray) -> np.ndarray:
+    """For each mark row, the row of the allocation alive at its address then (-1: none)."""
+    allocs = np.flatnonzero(rows[:, KIND] == ALLOC)
+    ended = np.full(len(rows), np.iinfo(np.int64).max, np.int64)
+    frees = np.flatnonzero((rows[:, KIND] == FREE) & (rows[:, REF] >= 0))
+    ended[rows[frees, REF]] = frees
+    _, rank = np.unique(np.concatenate([rows[allocs, PTR], rows[marks, PTR]]), return_inverse=True)
+    width = len(rows) + 1
+    keys = rank[: len(allocs)] * width + allocs  # by address, then by place
+    order = np.argsort(keys)
+    keys, allocs = keys[order], allocs[order]
+    wanted = rank[len(allocs) :] * width + marks
+    found = np.searchsorted(keys, wanted) - 1
+    ok = found >= 0
+    found = np.maximum(found, 0)
+    ok &= keys[found] // width == wanted // width
+    ok &= ended[allocs[found]] > marks
+    return np.where(ok, allocs[found], -1)
+
+
+class CpuStream:
+    """The counting CPU allocator's log while recordings run: a thread drains it as it
+    fills and feeds each recording's :class:`Tally`, so that it never holds more than a
+    few chunks, whatever the run's length. One per process; recordings that nest share it.
+    """
+
+    def __init__(self, library: CpuAllocatorLibrary) -> None:
+        self.library = library
+        self.tallies: list[Tally] = []
+        self.sites: dict[int, SiteKey] = {}
+        self.names = NameTable()
+        """The marks' names: one table for the recordings that share the log."""
+        self._engine: set[int] = {NO_PYTHON_SITE}
+        self._taken = 0
+        self._idents = itertools.count(1)
+        self._lock = threading.Lock()
+        self._halt = threading.Event()
+        self._thread: threading.Thread | None = None
+        os.register_at_fork(after_in_child=self._forget)
+
+    def open(self, sites: bool, used: Callable[[], int], baseline: list[tuple[int, int]]) -> Tally:
+        """Start a recording whose start is `used()` bytes, and whose storages alive at the
+        start are `baseline` (address, bytes); its tally."""
+        with self._lock:
+            first = self.library.record_start(sites)
+            if not first:
+                self._taken = 0
+                self.sites, self.names, self._engine = {}, NameTable(), {NO_PYTHON_SITE}
+                self._halt.clear()
+                self._thread = threading.Thread(target=self._run, name="torchmem-log", daemon=True)
+                self._thread.start()
+            tally = Tally(used(), time.monotonic_ns(), first, next(self._idents))
+            tally.engine = self._engine
+            self.tallies.append(tally)
+        for address, nbytes in baseline:
+            self.library.adopt_row(address, nbytes, tally.ident)
+        return tally
+
+    def close(self, tally: Tally) -> dict[int, SiteKey]:
+        """End the recording of `tally`, tallied to its end; the sites it may name."""
+        with self._lock:
+            last = self.library.record_stop()
+            self._drain()
+            self.tallies.remove(tally)
+            sites = dict(self.sites)
+        if last:
+            self._halt.set()
+            if self._thread is not None and self._thread is not threading.current_thread():
+                self._thread.join()
+            self._thread = None
+            self.library.record_clear()
+        tally.finish()
+        return sites
+
+    def _run(self) -> None:
+        while not self._halt.wait(DRAIN_EVERY):
+            if self.library.count() - self._taken >= DRAIN_AT:
+                with self._lock:
+                    self._drain()
+
+    def _drain(self) -> None:
+        """Tally what the log holds; with the lock held."""
+        while True:
+            rows = self.library.take(CHUNK)
+            if not len(rows):
+                return
+            first = self._taken
+            self._taken += len(rows)
+            site = rows[:, SITE]
+            allocs = rows[:, KIND] == ALLOC
+            site[allocs & (site == NO_FRAME_SITE)] = NO_PYTHON_SITE
+            for index in np.unique(site[allocs]).tolist():
+                if index >= 0 and index not in self.sites:
+                    found = self.library.record_site(index)
+                    if found is not None:
+                        self.sites[index] = key = _site(*found)
+                        if key[0] == BACKWARD:
+                            self._engine.add(index)
+            for tally in self.tallies:
+                skip = tally.seq - first
+                if skip < len(rows):
+                    tally.feed(rows[max(skip, 0) :])
+
+    def _forget(self) -> None:
+        """In a child made by fork: no recording, no thread, a free lock."""
+        self.tallies = []
+        self._thread = None
+        self._lock = threading.Lock()
+
+
+_streams: dict[int, CpuStream] = {}
+
 
 class CpuLog:
-    """The counting CPU allocator's event log. :attr:`available` is False on the
+    """A recording of the counting CPU allocator's log. :attr:`available` is False on the
     fallback meter, which keeps no log."""
 
     device = "cpu"
@@ -81,32 +277,21 @@ class CpuLog:
         self.available = isinstance(cpu, CpuAllocatorMeter)
         self.records_sites = isinstance(cpu, CpuAllocatorMeter) and cpu.library.records_sites
         self.sites = sites
-        self._base = 0
-        self._start = 0
-        self._baseline: dict[int, int] = {}
-        self._first = 0
+        self.stream: CpuStream | None = None
+        if isinstance(cpu, CpuAllocatorMeter):
+            library = cpu.library
+            self.stream = _streams.setdefault(id(library), CpuStream(library))
+        self._tally: Tally | None = None
 
     def start(self) -> None:
-        assert isinstance(self.meter, CpuAllocatorMeter)
-        self._baseline = {s.data_ptr(): s.nbytes() for s in live_storages()}
-        library = self.meter.library
-        self._first = library.record_start(self.sites and library.records_sites)
-        self._base = self.meter.used()
-        self._start = time.monotonic_ns()
+        assert self.stream is not None
+        baseline = [(s.data_ptr(), s.nbytes()) for s in live_storages()]
+        self._tally = self.stream.open(self.sites and self.records_sites, self.meter.used, baseline)
 
-    def stop(self) -> Log:
-        assert isinstance(self.meter, CpuAllocatorMeter)
-        library = self.meter.library
-        events = library.record_stop(self._first)
-        sites = {}
-        for index in torch.unique(events[:, 3]).tolist() if len(events) else []:
-            if index >= 0:
-                found = library.record_site(index)
-                if found is not None:
-                    sites[index] = _site(*found)
-        events[:, 3][events[:, 3] == NO_FRAME_SITE] = NO_PYTHON_SITE
-        library.record_clear()
-        return Log("cpu", self._base, self._start, events, sites, self._baseline)
+    def stop(self) -> Tallied:
+        assert self.stream is not None and self._tally is not None
+        sites = self.stream.close(self._tally)
+        return Tallied("cpu", self._tally, sites)
 
 
 def _site(code: CodeType, line: int, stack: tuple[tuple[CodeType, int], ...]) -> SiteKey:
@@ -144,7 +329,8 @@ class CudaLog:
         self._start, self._wall = time.monotonic_ns(), time.time_ns()
         self._lease = history.acquire(self.sites, CUDA_ENTRIES)
 
-    def stop(self) -> list[Log]:
+    def stop(self, notes: Notes | None = None) -> list[Tallied]:
+        """The GPUs' logs, tallied with the marks and probes of `notes`."""
         assert self._lease is not None
         snapshot = self._lease.release()
         self.history = snapshot
@@ -166,7 +352,8 @@ class CudaLog:
             expandable = any(s.get("is_expandable") for s in own)
             events, sites = cuda_events(trace, self._start, self._wall, own, expandable)
             reserved = window.peak("reserved_bytes.all")
-            logs.append(Log(f"cuda:{index}", base, self._start, events, sites, {}, reserved))
+            log = Log(f"cuda:{index}", base, self._start, events, sites, reserved)
+            logs.append(log.tally(notes))
         return logs
 
 

@@ -1,0 +1,381 @@
+"""A device's event stream, tallied as it arrives: in time linear in the events and in
+memory bounded by what the report needs, whatever the run's length.
+
+The stream is rows of :data:`COLUMNS` int64, in time order, each of one :data:`KINDS`:
+an allocation, a free, a storage alive at the start (adopted), a mark (what a storage
+was: a parameter, a gradient, ...) and a probe (a module's forward or backward pass
+opening, reaching an end, closing). A row's sequence number is its place in the stream;
+a free, an adoption and a mark name the allocation they concern by its sequence number
+(:data:`REF`), which the producer (the counting allocator, or
+:func:`~torchmem.recorder.rows.merge`) tells from the address.
+
+:class:`Tally` keeps only what the report reads: the allocations alive now and those
+alive at the highest use so far (each with its size, site, time, category and name), a
+timeline of per-interval maxima that halves its resolution as the run grows, each
+module's highest use, and a window of the most recent allocations and frees. Everything
+else is dropped as soon as it is counted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+TIME, PTR, SIZE, SITE, REF, KIND = range(6)
+COLUMNS = 6
+"""A row: ``time.monotonic_ns()``; address; bytes (negative for a free); site index (an
+allocation), payload (a mark: ``name << 3 | category``; a probe: module index), or the
+adopting tally (an adoption); the sequence number it refers to (or, for a probe, its
+depth and kind, see :data:`OPEN`); and its kind."""
+ALLOC, FREE, ADOPT, MARK, OPEN, HIT, CLOSE = range(7)
+KINDS = ("alloc", "free", "adopt", "mark", "open", "hit", "close")
+"""Row kinds. A probe's :data:`PTR` is its number, its :data:`SITE` the module's index,
+its :data:`REF` ``depth << 1 | backward``. A forward pass opens and closes; a backward
+pass opens when the gradient of one of its outputs is ready, hits each time a gradient
+of one of its inputs is, and closes when it can run no more; its span ends at the last
+hit."""
+BEFORE_SITE = -4
+"""The site of a storage alive when the recording started."""
+UNNAMED = -1
+WINDOW = 1 << 16
+"""How many of the latest allocations and frees a tally keeps as they were."""
+FINE = 1024
+"""Intervals the timeline keeps; past them, neighbours merge and each doubles."""
+FIRST_WIDTH = 1 << 20
+"""Nanoseconds of a timeline interval at first (about a millisecond)."""
+
+_NEVER = np.iinfo(np.int64).max
+_FIELDS = ("key", "born", "ptr", "size", "site", "time", "cat", "name", "owner")
+
+
+@dataclass
+class Table:
+    """Allocations, one per index of each column, sorted by :attr:`key`."""
+
+    key: np.ndarray
+    """The sequence number the stream names it by (its allocation's; an adopted storage's
+    from its adoption, or from its allocation if that was seen)."""
+    born: np.ndarray
+    """Sequence number of the row that made it; -1 for storages alive at the start."""
+    ptr: np.ndarray
+    size: np.ndarray
+    site: np.ndarray
+    time: np.ndarray
+    cat: np.ndarray
+    """Category index, :data:`~torchmem.records.run.CATEGORIES` order (4: other)."""
+    name: np.ndarray
+    """Index of the mark payload that named it (:data:`UNNAMED`)."""
+    owner: np.ndarray
+    """For one autograd's engine made: the index of the module whose backward pass ran
+    then; else -1."""
+
+    @classmethod
+    def empty(cls) -> Table:
+        return cls(*(np.empty(0, np.int64) for _ in _FIELDS))
+
+    def __len__(self) -> int:
+        return len(self.key)
+
+    def take(self, index: np.ndarray) -> Table:
+        return Table(*(getattr(self, f)[index] for f in _FIELDS))
+
+    def concat(self, other: Table) -> Table:
+        joined = Table(*(np.concatenate([getattr(self, f), getattr(other, f)]) for f in _FIELDS))
+        if len(joined) > 1 and np.any(joined.key[1:] < joined.key[:-1]):
+            joined = joined.take(np.argsort(joined.key, kind="stable"))
+        return joined
+
+    def find(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Positions of `keys` in this table, and which were found."""
+        at = np.searchsorted(self.key, keys)
+        at = np.minimum(at, max(len(self.key) - 1, 0))
+        found = (self.key[at] == keys) if len(self.key) else np.zeros(len(keys), bool)
+        return at, found
+
+
+@dataclass
+class Probe:
+    """A forward or backward pass that is open."""
+
+    module: int
+    depth: int
+    backward: bool
+    begin: int
+    """Time it opened."""
+    high: int
+    """Highest use from its opening to the start of the rows in hand."""
+    at: int
+    """Where it opened in the rows in hand (0: before them)."""
+    hit: int | None = None
+    """Highest use up to its last hit (backward passes)."""
+    last: int = 0
+    """Time of its last hit."""
+
+
+class Tally:
+    """One device's stream, tallied chunk by chunk (:meth:`feed`).
+
+    Args:
+        base: bytes in use at the start.
+        start: ``time.monotonic_ns()`` at the start.
+        first: the sequence number of the first row it is fed.
+        ident: adoptions carrying this in :data:`SITE` are its own.
+        engine: site indices of allocations autograd's engine made (named after the
+            module whose backward pass ran then); more may be added as they appear.
+    """
+
+    def __init__(self, base: int, start: int, first: int = 0, ident: int = 0) -> None:
+        self.base = base
+        self.start = start
+        self.first = first
+        self.ident = ident
+        self.engine: set[int] = set()
+        self.seq = first
+        """Sequence number of the next row."""
+        self.current = base
+        self.hidden = base
+        """Bytes alive from before the start that no adopted record holds."""
+        self.live = Table.empty()
+        self.peak = base
+        self.peak_seq = first - 1
+        """Sequence number of the row at the highest use; ``first - 1``: the start."""
+        self.peak_time = start
+        self.at_peak = Table.empty()
+        self.hidden_at_peak = base
+        self.events = 0
+        """Allocations and frees tallied."""
+        self.forward: dict[int, int] = {}
+        """Module index -> highest use during its forward passes."""
+        self.backward: dict[int, int] = {}
+        self._open: dict[int, Probe] = {}
+        self._spans: list[tuple[int, int, int, int]] = []
+        """Closed backward passes: (begin, last hit, depth, module), while engine
+        allocations made during them may still be named."""
+        self._pending = np.empty(0, np.int64)
+        """Keys of engine allocations not yet named (a backward pass was open then)."""
+        self._pending_time = np.empty(0, np.int64)
+        self.width = FIRST_WIDTH
+        self._high = np.full(FINE, -1, np.int64)
+        """Timeline: highest use in each interval (-1: no row)."""
+        self._last = np.full(FINE, -1, np.int64)
+        """Timeline: use after the last row of each interval."""
+        self.last_time = start
+        self.recent: list[np.ndarray] = []
+        """The latest allocation and free rows (at most :data:`WINDOW` of them)."""
+        self.dropped = 0
+        """Allocations and frees no longer in :attr:`recent`."""
+
+    # Feeding ---------------------------------------------------------------------------
+
+    def feed(self, rows: np.ndarray) -> None:
+        """Tally `rows` (shape ``(n, COLUMNS)``), the next ones of the stream."""
+        n = len(rows)
+        if not n:
+            return
+        seqs = self.seq + np.arange(n, dtype=np.int64)
+        kind = rows[:, KIND]
+        size = rows[:, SIZE]
+        alloc = kind == ALLOC
+        free = kind == FREE
+        delta = np.where(alloc | free, size, 0)
+        cur = self.current + np.cumsum(delta)
+
+        adopt = (kind == ADOPT) & (rows[:, SITE] == self.ident)
+        made = alloc | adopt
+        new = Table(
+            key=np.where(alloc, seqs, rows[:, REF])[made],
+            born=np.where(alloc, seqs, -1)[made],
+            ptr=rows[made, PTR],
+            size=np.abs(size[made]),
+            site=np.where(alloc, rows[:, SITE], BEFORE_SITE)[made],
+            time=rows[made, TIME],
+            cat=np.full(int(made.sum()), 4, np.int64),
+            name=np.full(int(made.sum()), UNNAMED, np.int64),
+            owner=np.full(int(made.sum()), -1, np.int64),
+        )
+        table = self.live.concat(new)
+        adopted = int(size[adopt].sum())
+        if adopted:
+            self.hidden -= adopted
+            if self.peak_seq < self.first:  # the start is still the peak: they were alive then
+                self.at_peak = self.at_peak.concat(new.take(new.born < 0))
+                self.hidden_at_peak = self.hidden
+
+        marks = np.flatnonzero(kind == MARK)
+        if len(marks):
+            self._mark(table, rows[marks, REF], rows[marks, SITE])
+            if len(self.at_peak):
+                self._mark(self.at_peak, rows[marks, REF], rows[marks, SITE])
+
+        died = np.full(len(table), _NEVER, np.int64)
+        frees = np.flatnonzero(free)
+        at, found = table.find(rows[frees, REF])
+        died[at[found]] = seqs[frees[found]]
+        unmatched = np.zeros(n, np.int64)
+        unmatched[frees[~found]] = size[frees[~found]]
+        hidden = self.hidden + np.cumsum(unmatched)
+
+        self._probes(rows, kind, cur, table)
+        engine = alloc & np.isin(rows[:, SITE], np.fromiter(self.engine, np.int64))
+        if engine.any():
+            self._pending = np.concatenate([self._pending, seqs[engine]])
+            self._pending_time = np.concatenate([self._pending_time, rows[engine, TIME]])
+
+        j = int(np.argmax(cur))
+        if cur[j] > self.peak:
+            self.peak = int(cur[j])
+            self.peak_seq = int(seqs[j])
+            self.peak_time = int(rows[j, TIME])
+            self.at_peak = table.take((table.born <= self.peak_seq) & (died > self.peak_seq))
+            self.hidden_at_peak = int(hidden[j])
+
+        self.live = table.take(died == _NEVER)
+        self.current = int(cur[-1])
+        self.hidden = int(hidden[-1])
+        self.seq += n
+        self._timeline(rows[:, TIME], cur)
+        self._name_engine()
+        changes = rows[alloc | free]
+        self.events += len(changes)
+        self._keep_recent(changes)
+
+    def _mark(self, table: Table, refs: np.ndarray, payloads: np.ndarray) -> None:
+        """Give each record named by `refs` the first mark of its lowest category, unless
+        it has one as low already."""
+        at, found = table.find(refs)
+        if not found.any():
+            return
+        at, payloads = at[found], payloads[found]
+        order = np.arange(len(at), dtype=np.int64) + 1
+        # Lowest category first, then the earliest mark; 0 stands for what it had.
+        best = table.cat << 40
+        np.minimum.at(best, at, (payloads & 7) << 40 | order)
+        changed = (best & ((1 << 40) - 1)) > 0
+        chosen = payloads[(best[changed] & ((1 << 40) - 1)) - 1]
+        table.cat[changed] = chosen & 7
+        table.name[changed] = chosen >> 3
+
+    def _probes(self, rows: np.ndarray, kind: np.ndarray, cur: np.ndarray, table: Table) -> None:
+        """Each module's highest use during its passes, and the spans of its backward
+        passes (to name what autograd's engine allocated)."""
+        for i in np.flatnonzero(kind >= OPEN).tolist():
+            number, module, ref = int(rows[i, PTR]), int(rows[i, SITE]), int(rows[i, REF])
+            op = int(kind[i])
+            if op == OPEN:
+                begin = int(rows[i, TIME])
+                self._open[number] = Probe(module, ref >> 1, bool(ref & 1), begin, int(cur[i]), i)
+                continue
+            probe = self._open.get(number)
+            if probe is None:
+                continue
+            high = max(probe.high, int(cur[probe.at : i + 1].max()))
+            if op == HIT:
+                probe.hit, probe.last = high, int(rows[i, TIME])
+                continue
+            del self._open[number]
+            if not probe.backward:
+                self.forward[probe.module] = max(self.forward.get(probe.module, high), high)
+            elif probe.hit is not None:
+                peak = probe.hit
+                self.backward[probe.module] = max(self.backward.get(probe.module, peak), peak)
+                self._spans.append((probe.begin, probe.last, probe.depth, probe.module))
+        for probe in self._open.values():
+            probe.high = max(probe.high, int(cur[probe.at :].max()))
+            probe.at = 0
+
+    def _name_engine(self) -> None:
+        """Name the engine's allocations whose backward passes are all over: after the
+        innermost module whose backward pass ran then. Those already dead and not alive
+        at the peak need no name."""
+        if not len(self._pending):
+            return
+        keep = self.live.find(self._pending)[1] | self.at_peak.find(self._pending)[1]
+        pending, times = self._pending[keep], self._pending_time[keep]
+        opened = [p.begin for p in self._open.values() if p.backward]
+        ready = times < min(opened) if opened else np.ones(len(times), bool)
+        if ready.any() and self._spans:
+            spans = np.array(sorted(self._spans), dtype=np.int64)
+            t = times[ready][:, None]
+            inside = (spans[:, 0] <= t) & (t <= spans[:, 1])
+            # Innermost: the deepest, then the latest to begin (spans are sorted by begin).
+            score = np.where(inside, spans[:, 2] * len(spans) + np.arange(len(spans)), -1)
+            best = score.argmax(axis=1)
+            named = score[np.arange(len(best)), best] >= 0
+            keys, owners = pending[ready][named], spans[best[named], 3]
+            for table in (self.live, self.at_peak):
+                at, found = table.find(keys)
+                table.owner[at[found]] = owners[found]
+        self._pending, self._pending_time = pending[~ready], times[~ready]
+        if not opened and not len(self._pending):
+            self._spans = []
+        elif len(self._pending):
+            oldest = int(self._pending_time.min())
+            self._spans = [s for s in self._spans if s[1] >= oldest]
+
+    def _timeline(self, times: np.ndarray, cur: np.ndarray) -> None:
+        self.last_time = max(self.last_time, int(times.max()))
+        index = np.maximum((times - self.start) // self.width, 0)
+        while int(index.max()) >= FINE:
+            self._halve()
+            index //= 2
+        np.maximum.at(self._high, index, cur)
+        self._last[index] = cur  # the last row of each interval writes last
+
+    def _halve(self) -> None:
+        high = np.maximum(self._high[0::2], self._high[1::2])
+        last = np.where(self._last[1::2] >= 0, self._last[1::2], self._last[0::2])
+        self._high = np.concatenate([high, np.full(FINE // 2, -1, np.int64)])
+        self._last = np.concatenate([last, np.full(FINE // 2, -1, np.int64)])
+        self.width *= 2
+
+    def _keep_recent(self, changes: np.ndarray) -> None:
+        if len(changes):
+            self.recent.append(changes[-WINDOW:])
+        total = sum(len(r) for r in self.recent)
+        while total > WINDOW:
+            first = self.recent[0]
+            if len(first) <= total - WINDOW:
+                self.recent.pop(0)
+                total -= len(first)
+            else:
+                self.recent[0] = first[total - WINDOW :]
+                total = WINDOW
+        self.dropped = self.events - total
+
+    # Reading ---------------------------------------------------------------------------
+
+    def finish(self) -> None:
+        """Name what is left to name once the stream has ended: every pass is over."""
+        for probe in list(self._open.values()):
+            if probe.backward and probe.hit is not None:
+                self._spans.append((probe.begin, probe.last, probe.depth, probe.module))
+                peak = probe.hit
+                self.backward[probe.module] = max(self.backward.get(probe.module, peak), peak)
+        self._open.clear()
+        self._name_engine()
+
+    def timeline(self, stop: int, points: int) -> tuple[tuple[float, int], ...]:
+        """At most `points` intervals from the start to `stop`: each one's end (seconds
+        from the start) and the highest use in it."""
+        span = max(stop, self.last_time) - self.start
+        used = min(span // self.width + 1, FINE)
+        high, last = self._high[:used], self._last[:used]
+        before = self.base
+        values = []
+        for h, end in zip(high.tolist(), last.tolist(), strict=True):
+            values.append(max(h, before))
+            if end >= 0:
+                before = end
+        group = -(-used // points)
+        found = []
+        for first in range(0, used, group):
+            end = min((first + group) * self.width, span)
+            found.append((end / 1e9, max(values[first : first + group])))
+        return tuple(found)
+
+    def recent_rows(self) -> np.ndarray:
+        """The latest allocation and free rows, oldest first."""
+        if not self.recent:
+            return np.empty((0, COLUMNS), np.int64)
+        return np.concatenate(self.recent)

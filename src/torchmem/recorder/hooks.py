@@ -117,6 +117,8 @@ class Watcher:
         self._saved: saved_tensors_hooks | None = None
         self._roots: set[int] = set()
         self._known: dict[int, torch.nn.Module] = {}  # modules seen, or alive at the end
+        self._marked: dict[int, tuple[Any, ...]] = {}
+        """id() of a module or optimizer -> where its tensors were when last marked."""
         # Dynamo must not trace the hooks (it fails on them): they run eagerly, and a
         # compiled module breaks its graph around them.
         self._hooks = [
@@ -187,7 +189,7 @@ class Watcher:
         for module in self._known.values():
             self._mark_parameters(module)
         for optimizer in self.optimizers.values():
-            self._mark_optimizer(optimizer)
+            self._mark_optimizer(optimizer, grads=True)
 
     # Marks -----------------------------------------------------------------------------
 
@@ -198,7 +200,7 @@ class Watcher:
             return
         if not ptr:
             return
-        if self._log_mark is not None and tensor.device.type == "cpu":
+        if self._log_mark is not None and tensor.is_cpu:
             seq = self._log_mark(ptr, category)
             if seq >= 0:
                 payload = self.names.intern(name, tensor) << 3 | category
@@ -214,21 +216,41 @@ class Watcher:
             self.notes.probe(kind, number, module, ref)
 
     def _mark_parameters(self, module: torch.nn.Module) -> None:
-        for attribute, param in module._parameters.items():
+        params = module._parameters
+        # Marked again only where a parameter or gradient is not where it was last time.
+        where = tuple(
+            (p.data_ptr(), -1 if p.grad is None else p.grad.data_ptr())
+            for p in params.values()
+            if p is not None
+        )
+        if self._marked.get(id(module)) == where:
+            return
+        self._marked[id(module)] = where
+        for attribute, param in params.items():
             if param is not None:
                 self.mark(param, PARAMETERS, ("param", id(module), attribute))
                 if param.grad is not None:
                     self.mark(param.grad, GRADIENTS, ("grad", id(module), attribute))
 
-    def _mark_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+    def _mark_optimizer(self, optimizer: torch.optim.Optimizer, grads: bool) -> None:
+        if grads:
+            for group in optimizer.param_groups:
+                for param in group["params"]:
+                    if param.grad is not None:
+                        self.mark(param.grad, GRADIENTS, ("grad-of", id(param)))
+        state = [
+            (param, key, value)
+            for param, values in optimizer.state.items()
+            for key, value in values.items()
+            if isinstance(value, torch.Tensor)
+        ]
+        where = tuple(value.data_ptr() for _, _, value in state)
+        if self._marked.get(id(optimizer)) == where:
+            return
+        self._marked[id(optimizer)] = where
         kind = type(optimizer).__name__
-        for group in optimizer.param_groups:
-            for param in group["params"]:
-                if param.grad is not None:
-                    self.mark(param.grad, GRADIENTS, ("grad-of", id(param)))
-                for key, value in optimizer.state.get(param, {}).items():
-                    if isinstance(value, torch.Tensor):
-                        self.mark(value, OPTIMIZER_STATE, ("state", kind, id(param), key))
+        for param, key, value in state:
+            self.mark(value, OPTIMIZER_STATE, ("state", kind, id(param), key))
 
     # Hooks ---------------------------------------------------------------------------
 
@@ -276,7 +298,10 @@ class Watcher:
         if not ends:
             return
         backward = _Backward(key, len(stack), self._probe)
-        backward.handles = [register_multi_grad_hook(outputs, backward.begin, mode="any")]
+        if len(outputs) == 1:  # the same as a multi-grad hook on one tensor, at less cost
+            backward.handles = [outputs[0].register_hook(backward.begin)]  # type: ignore[no-untyped-call]
+        else:
+            backward.handles = [register_multi_grad_hook(outputs, backward.begin, mode="any")]
         # One hook per tensor, not a multi-grad hook in mode "all": that one raises inside
         # torch.autograd.grad() for leaf tensors (parameters, inputs).
         backward.handles += [t.register_hook(backward.end) for t in ends]  # type: ignore[no-untyped-call]
@@ -287,10 +312,10 @@ class Watcher:
 
     def _step_pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self.optimizers.setdefault(id(optimizer), optimizer)
-        self._mark_optimizer(optimizer)
+        self._mark_optimizer(optimizer, grads=True)
 
     def _step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        self._mark_optimizer(optimizer)
+        self._mark_optimizer(optimizer, grads=False)
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
         stack = getattr(self._local, "stack", None)

@@ -94,23 +94,10 @@ class Table:
         return at, found
 
 
-@dataclass
-class Probe:
-    """A forward or backward pass that is open."""
-
-    module: int
-    depth: int
-    backward: bool
-    begin: int
-    """Time it opened."""
-    high: int
-    """Highest use from its opening to the start of the rows in hand."""
-    at: int
-    """Where it opened in the rows in hand (0: before them)."""
-    hit: int | None = None
-    """Highest use up to its last hit (backward passes)."""
-    last: int = 0
-    """Time of its last hit."""
+_MODULE, _DEPTH, _BACKWARD, _BEGIN, _HIGH, _LAST, _AT = range(7)
+"""An open probe's fields: module, depth, backward (0 or 1), time it opened, highest use
+from its opening to the start of the rows in hand, time of its last hit (-1: none),
+where it opened in the rows in hand (0: before them)."""
 
 
 class Tally:
@@ -148,7 +135,8 @@ class Tally:
         self.forward: dict[int, int] = {}
         """Module index -> highest use during its forward passes."""
         self.backward: dict[int, int] = {}
-        self._open: dict[int, Probe] = {}
+        self._open: dict[int, list[int]] = {}
+        """Probes open, by number (fields: :data:`_MODULE`, ...)."""
         self._spans: list[tuple[int, int, int, int]] = []
         """Closed backward passes: (begin, last hit, depth, module), while engine
         allocations made during them may still be named."""
@@ -259,30 +247,57 @@ class Tally:
     def _probes(self, rows: np.ndarray, kind: np.ndarray, cur: np.ndarray, table: Table) -> None:
         """Each module's highest use during its passes, and the spans of its backward
         passes (to name what autograd's engine allocated)."""
-        for i in np.flatnonzero(kind >= OPEN).tolist():
-            number, module, ref = int(rows[i, PTR]), int(rows[i, SITE]), int(rows[i, REF])
-            op = int(kind[i])
-            if op == OPEN:
-                begin = int(rows[i, TIME])
-                self._open[number] = Probe(module, ref >> 1, bool(ref & 1), begin, int(cur[i]), i)
-                continue
-            probe = self._open.get(number)
-            if probe is None:
-                continue
-            high = max(probe.high, int(cur[probe.at : i + 1].max()))
-            if op == HIT:
-                probe.hit, probe.last = high, int(rows[i, TIME])
-                continue
-            del self._open[number]
-            if not probe.backward:
-                self.forward[probe.module] = max(self.forward.get(probe.module, high), high)
-            elif probe.hit is not None:
-                peak = probe.hit
-                self.backward[probe.module] = max(self.backward.get(probe.module, peak), peak)
-                self._spans.append((probe.begin, probe.last, probe.depth, probe.module))
-        for probe in self._open.values():
-            probe.high = max(probe.high, int(cur[probe.at :].max()))
-            probe.at = 0
+        at = np.flatnonzero(kind >= OPEN)
+        if len(at):
+            number, op, module = rows[at, PTR], kind[at], rows[at, SITE]
+            # Where each probe opened in these rows (0: before them).
+            opened = op == OPEN
+            numbers, places = number[opened], at[opened]
+            order = np.argsort(numbers)
+            numbers, places = numbers[order], places[order]
+            j = np.minimum(np.searchsorted(numbers, number), max(len(numbers) - 1, 0))
+            here = numbers[j] == number if len(numbers) else np.zeros(len(at), bool)
+            high = _range_max(cur, np.where(here, places[j] if len(numbers) else 0, 0), at)
+            known = here.copy()
+            for k in np.flatnonzero(~here).tolist():
+                probe = self._open.get(int(number[k]))
+                if probe is not None:
+                    high[k] = max(int(high[k]), probe[_HIGH])
+                    known[k] = True
+            backward = (rows[at, REF] & 1) == 1
+            _most(
+                self.forward,
+                module[(op == CLOSE) & ~backward & known],
+                high[(op == CLOSE) & ~backward & known],
+            )
+            _most(self.backward, module[(op == HIT) & known], high[(op == HIT) & known])
+            fields = zip(
+                at.tolist(),
+                number.tolist(),
+                op.tolist(),
+                module.tolist(),
+                rows[at, REF].tolist(),
+                rows[at, TIME].tolist(),
+                strict=True,
+            )
+            for i, key, kind_of, owner, ref, when in fields:
+                if kind_of == OPEN:
+                    self._open[key] = [owner, ref >> 1, ref & 1, when, int(cur[i]), -1, i]
+                elif kind_of == HIT:
+                    probe = self._open.get(key)
+                    if probe is not None:
+                        probe[_LAST] = when
+                else:
+                    probe = self._open.pop(key, None)
+                    if probe is not None and probe[_BACKWARD] and probe[_LAST] >= 0:
+                        self._spans.append((probe[_BEGIN], probe[_LAST], probe[_DEPTH], owner))
+        if self._open:
+            probes = list(self._open.values())
+            starts = np.array([p[_AT] for p in probes], np.int64)
+            ends = _range_max(cur, starts, np.full(len(probes), len(cur) - 1, np.int64))
+            for probe, end in zip(probes, ends.tolist(), strict=True):
+                probe[_HIGH] = max(probe[_HIGH], end)
+                probe[_AT] = 0
 
     def _name_engine(self) -> None:
         """Name the engine's allocations whose backward passes are all over: after the
@@ -292,7 +307,7 @@ class Tally:
             return
         keep = self.live.find(self._pending)[1] | self.at_peak.find(self._pending)[1]
         pending, times = self._pending[keep], self._pending_time[keep]
-        opened = [p.begin for p in self._open.values() if p.backward]
+        opened = [p[_BEGIN] for p in self._open.values() if p[_BACKWARD]]
         ready = times < min(opened) if opened else np.ones(len(times), bool)
         if ready.any() and self._spans:
             spans = np.array(sorted(self._spans), dtype=np.int64)
@@ -347,11 +362,9 @@ class Tally:
 
     def finish(self) -> None:
         """Name what is left to name once the stream has ended: every pass is over."""
-        for probe in list(self._open.values()):
-            if probe.backward and probe.hit is not None:
-                self._spans.append((probe.begin, probe.last, probe.depth, probe.module))
-                peak = probe.hit
-                self.backward[probe.module] = max(self.backward.get(probe.module, peak), peak)
+        for probe in self._open.values():
+            if probe[_BACKWARD] and probe[_LAST] >= 0:
+                self._spans.append((probe[_BEGIN], probe[_LAST], probe[_DEPTH], probe[_MODULE]))
         self._open.clear()
         self._name_engine()
 
@@ -379,3 +392,32 @@ class Tally:
         if not self.recent:
             return np.empty((0, COLUMNS), np.int64)
         return np.concatenate(self.recent)
+
+
+def _range_max(values: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """``values[lo[i] : hi[i] + 1].max()`` for each i, from a sparse table of maxima over
+    power-of-two spans."""
+    out = np.empty(len(lo), np.int64)
+    if not len(lo):
+        return out
+    level = np.frexp((hi - lo + 1).astype(np.float64))[1] - 1  # floor(log2(length))
+    table = values
+    for k in range(int(level.max()) + 1):
+        if k:
+            step = 1 << (k - 1)
+            table = np.maximum(table[:-step], table[step:])
+        chosen = level == k
+        if chosen.any():
+            out[chosen] = np.maximum(table[lo[chosen]], table[hi[chosen] - (1 << k) + 1])
+    return out
+
+
+def _most(highest: dict[int, int], keys: np.ndarray, values: np.ndarray) -> None:
+    """Raise ``highest[key]`` to each value of its key."""
+    if not len(keys):
+        return
+    unique, inverse = np.unique(keys, return_inverse=True)
+    best = np.full(len(unique), np.iinfo(np.int64).min, np.int64)
+    np.maximum.at(best, inverse.reshape(-1), values)
+    for key, value in zip(unique.tolist(), best.tolist(), strict=True):
+        highest[key] = max(highest.get(key, value), value)

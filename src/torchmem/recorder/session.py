@@ -129,7 +129,7 @@ class Recording:
         self._stopped = time.monotonic_ns()
         try:
             for laps in self._laps:  # first: what follows is torchmem's, not the program's
-                laps.end()
+                laps.end(self._stopped)
             namespace = variables or {}
             if self._watcher is not None:
                 self._watcher.stop(namespace.values())

@@ -447,11 +447,11 @@ class Laps:
         while not self._stop.wait(self._interval):
             self._lap()
 
-    def _lap(self) -> None:
+    def _lap(self, at: int | None = None) -> None:
         if self._window.closed:
             return
         peak = self._window.lap()[self._stat]
-        self.points.append((time.monotonic_ns(), peak))
+        self.points.append((time.monotonic_ns() if at is None else at, peak))
         if len(self.points) > MAX_POINTS:
             pairs = zip(self.points[::2], self.points[1::2], strict=False)
             merged = [(b[0], max(a[1], b[1])) for a, b in pairs]
@@ -460,10 +460,12 @@ class Laps:
             self.points = merged
             self._interval *= 2
 
-    def end(self) -> None:
+    def end(self, stop: int) -> None:
+        """End at `stop` (``time.monotonic_ns()``): the last interval ends there."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
-        self._lap()
+        self.points = [(min(t, stop), peak) for t, peak in self.points]
+        self._lap(stop)
         self.end_bytes = self.meter.used()
         self._window.close()

@@ -1,0 +1,264 @@
+"""The tally: a stream counted in chunks of any size equals the same stream counted at
+once by brute force, and what it keeps does not grow with the number of events."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+import textwrap
+import tracemalloc
+
+import numpy as np
+import pytest
+import torch
+
+import torchmem
+from torchmem.recorder.tally import (
+    ADOPT,
+    ALLOC,
+    CLOSE,
+    COLUMNS,
+    FREE,
+    HIT,
+    MARK,
+    OPEN,
+    WINDOW,
+    Tally,
+)
+
+BASE = 1000
+
+
+def random_stream(seed: int, steps: int) -> np.ndarray:
+    """Rows as a recording makes them: adopted storages, allocations and frees at random
+    addresses (some reused), marks, and forward and backward probes of two modules."""
+    rng = random.Random(seed)
+    rows: list[list[int]] = []
+    live: dict[int, int] = {}  # address -> sequence number of its allocation
+    sizes: dict[int, int] = {}
+    clock = 0
+
+    def row(ptr: int, size: int, site: int, ref: int, kind: int) -> None:
+        nonlocal clock
+        clock += rng.randint(1, 3_000_000)
+        rows.append([clock, ptr, size, site, ref, kind])
+
+    for address in (1, 2):  # alive at the start; BASE covers them and 400 hidden bytes
+        live[address], sizes[address] = len(rows), 300
+        row(address, 300, 0, len(rows), ADOPT)
+    probe = 0
+    for _ in range(steps):
+        probe += 1
+        module = rng.choice((11, 12))
+        row(probe, 0, module, 0, OPEN)
+        for _ in range(rng.randint(1, 6)):
+            choice = rng.random()
+            if choice < 0.5 or not live:
+                address = rng.randint(3, 40)
+                if address in live:
+                    continue
+                live[address], sizes[address] = len(rows), rng.randint(1, 500)
+                row(address, sizes[address], rng.randint(0, 3), -1, ALLOC)
+            elif choice < 0.8:
+                address = rng.choice(sorted(live))
+                row(address, -sizes[address], -1, live.pop(address), FREE)
+            else:
+                address = rng.choice(sorted(live))
+                payload = rng.randint(0, 5) << 3 | rng.randint(0, 3)
+                row(address, 0, payload, live[address], MARK)
+        row(probe, 0, module, 0, CLOSE)
+        if rng.random() < 0.5:  # a backward pass, with hits, then some use, then its close
+            probe += 1
+            row(probe, 0, module, 1, OPEN)
+            address = rng.randint(41, 60)
+            if address not in live:
+                live[address], sizes[address] = len(rows), rng.randint(1, 900)
+                row(address, sizes[address], 7, -1, ALLOC)  # site 7: the engine's
+            row(probe, 0, module, 1, HIT)
+            if rng.random() < 0.5 and address in live:
+                row(address, -sizes[address], -1, live.pop(address), FREE)
+            row(probe, 0, module, 1, CLOSE)
+    row(99, -50, -1, -1, FREE)  # memory from before the start, not adopted
+    return np.array(rows, np.int64).reshape(-1, COLUMNS)
+
+
+def brute_force(rows: np.ndarray) -> dict[str, object]:
+    """The peak, what was alive then and at the end (by category), and each module's
+    forward and backward highs, counted row by row."""
+    current, peak, peak_at = BASE, BASE, -1
+    category: dict[int, int] = {}
+    alive: dict[int, int] = {}  # key -> size
+    at_peak: set[int] = set()
+    hidden = BASE
+    opened: dict[int, int] = {}
+    forward: dict[int, int] = {}
+    backward: dict[int, int] = {}
+    history = []
+    for i, (_, ptr, size, site, ref, kind) in enumerate(rows.tolist()):
+        if kind == ADOPT:
+            alive[ref], category[ref] = size, 4
+            hidden -= size
+        elif kind == ALLOC:
+            alive[i], category[i] = size, 4
+            current += size
+        elif kind == FREE:
+            current += size
+            if alive.pop(ref, None) is None:
+                hidden += size
+        elif kind == MARK and ref in alive:
+            category[ref] = min(category[ref], site & 7)
+        history.append(current)
+        if kind == OPEN:
+            opened[ptr] = i
+        elif kind in (HIT, CLOSE) and ptr in opened:
+            high = max(history[opened[ptr] :])
+            table = backward if ref & 1 else forward
+            if kind == HIT or not ref & 1:
+                table[site] = max(table.get(site, high), high)
+        if current > peak:
+            peak, peak_at = current, i
+            at_peak = set(alive)
+            peak_hidden = hidden
+    if peak_at < 0:
+        at_peak, peak_hidden = {k for k in alive if k < 2}, BASE - 600
+    end = [0] * 5
+    for key, size in alive.items():
+        end[category[key]] += size
+    end[4] += hidden
+    return {
+        "peak": peak,
+        "end": current,
+        "at_peak": {key: category[key] for key in at_peak},
+        "hidden_at_peak": peak_hidden,
+        "end_categories": end,
+        "forward": forward,
+        "backward": backward,
+    }
+
+
+def tallied(rows: np.ndarray, chunks: list[int]) -> Tally:
+    tally = Tally(BASE, 0)
+    tally.engine = {7}
+    start = 0
+    for size in chunks:
+        tally.feed(rows[start : start + size])
+        start += size
+    tally.feed(rows[start:])
+    tally.finish()
+    return tally
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_any_chunking_counts_what_brute_force_counts(seed: int) -> None:
+    rows = random_stream(seed, 300)
+    rng = random.Random(seed)
+    chunks = [rng.randint(1, 200) for _ in range(rng.randint(0, 20))]
+    tally, whole = tallied(rows, chunks), tallied(rows, [])
+    truth = brute_force(rows)
+    for found in (tally, whole):
+        assert (found.peak, found.current) == (truth["peak"], truth["end"])
+        assert (
+            dict(zip(found.at_peak.key.tolist(), found.at_peak.cat.tolist(), strict=True))
+            == truth["at_peak"]
+        )
+        assert found.hidden_at_peak == truth["hidden_at_peak"]
+        end = np.bincount(found.live.cat, weights=found.live.size, minlength=5).astype(int)
+        assert [*end[:4], int(end[4]) + found.hidden] == truth["end_categories"]
+        assert (found.forward, found.backward) == (truth["forward"], truth["backward"])
+    assert tally.at_peak.owner.tolist() == whole.at_peak.owner.tolist()
+    timeline = tally.timeline(int(rows[-1, 0]), 50)
+    assert max(high for _, high in timeline) == truth["peak"]
+    assert len(timeline) <= 50 and [t for t, _ in timeline] == sorted(t for t, _ in timeline)
+
+
+def test_engine_allocations_are_named_after_the_innermost_backward_pass() -> None:
+    rows = np.array(
+        [
+            [10, 1, 0, 100, 1, OPEN],  # the model's backward pass (depth 0) from 10
+            [11, 2, 0, 200, 3, OPEN],  # its layer's (depth 1) from 11 to 20
+            [15, 500, 8, 7, -1, ALLOC],  # inside both: the layer's
+            [20, 2, 0, 200, 3, HIT],
+            [25, 600, 8, 7, -1, ALLOC],  # the model's only
+            [30, 1, 0, 100, 1, HIT],
+            [40, 700, 8, 7, -1, ALLOC],  # neither: after the model's last hit
+            [50, 1, 0, 100, 1, CLOSE],
+            [50, 2, 0, 200, 3, CLOSE],
+        ],
+        np.int64,
+    )
+    for chunks in ([], [1], [3, 1], [1, 1, 1, 1, 1, 1, 1, 1]):
+        tally = Tally(0, 0)
+        tally.engine = {7}
+        start = 0
+        for size in chunks:
+            tally.feed(rows[start : start + size])
+            start += size
+        tally.feed(rows[start:])
+        tally.finish()
+        assert dict(zip(tally.live.ptr.tolist(), tally.live.owner.tolist(), strict=True)) == {
+            500: 200,
+            600: 100,
+            700: -1,
+        }
+
+
+def test_what_a_tally_keeps_does_not_grow_with_the_events() -> None:
+    """Ten times the steps: as many records and spans kept, and a window of raw rows that
+    stops at its size."""
+
+    def kept(steps: int) -> tuple[int, int]:
+        tally = tallied(random_stream(0, steps), [1000] * (steps // 100))
+        records = sum(getattr(t, f).nbytes for t in (tally.live, tally.at_peak) for f in vars(t))
+        return records + len(tally._spans) + len(tally._pending), len(tally.recent_rows())
+
+    (small, window), (large, full) = kept(20_000), kept(200_000)
+    assert large <= small * 1.1
+    assert window < full == WINDOW
+
+
+def test_a_recording_holds_no_more_for_a_million_allocations_than_for_a_quarter() -> None:
+    """Our own memory (the tally's numpy arrays, which tracemalloc sees) is bounded by what
+    the report needs, not by the number of allocations; none of it is the program's."""
+
+    def ours(n: int) -> int:
+        tracemalloc.start()
+        with torchmem.record("cpu", sites=False) as rec:
+            for _ in range(n):
+                torch.empty(1)
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        cpu = rec.report().devices["cpu"]
+        assert cpu.peak_bytes - cpu.start_bytes == 4  # one tiny tensor at a time
+        return peak
+
+    small, large = ours(250_000), ours(1_000_000)
+    assert large - small < 2**20
+
+
+@pytest.mark.slow
+def test_the_ram_peak_falls_inside_the_script(tmp_path) -> None:
+    """Our analysis after the script is not in the script's ram figures: its peak is the
+    script's 256 MiB buffer, at a time inside the script's span."""
+    script = tmp_path / "spike.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import torch
+            for _ in range(200_000):
+                torch.empty(1)
+            spike = bytearray(256 * 2**20)
+            del spike
+            """
+        )
+    )
+    report = tmp_path / "report.json"
+    subprocess.run(
+        [sys.executable, "-m", "torchmem", "run", "-q", "--json", str(report), str(script)],
+        check=True,
+    )
+    found = json.loads(report.read_text())
+    ram = found["devices"]["ram"]
+    assert 0 < ram["peak_time_s"] <= found["duration_s"]
+    assert ram["peak_bytes"] - ram["start_bytes"] >= 256 * 2**20

@@ -79,6 +79,39 @@ def test_a_python_storage_whose_storage_is_gone_is_passed_over(cpu):
     del gone
 
 
+class Wrapped(torch.Tensor):
+    """A tensor subclass."""
+
+
+def test_every_cpu_storage_python_reaches_is_found_once() -> None:
+    from torchmem._compat import storage_key
+
+    dense = torch.zeros(1000)
+    view = dense[10:]  # the same storage
+    param = nn.Parameter(torch.ones(7))
+    sparse = torch.zeros(6).index_fill(0, torch.tensor([2]), 1.0).to_sparse()
+    wrapped = torch.zeros(5).as_subclass(Wrapped)
+    untyped = torch.UntypedStorage(24)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # TypedStorage is deprecated
+        typed = torch.FloatStorage(3)
+    meta = torch.zeros(1 << 30, device="meta")
+    found = [storage_key(s) for s in live_storages()]
+    assert len(found) == len(set(found))
+    wanted = [
+        dense.untyped_storage(),
+        param.untyped_storage(),
+        sparse._indices().untyped_storage(),
+        sparse._values().untyped_storage(),
+        wrapped.untyped_storage(),
+        untyped,
+        typed.untyped(),
+    ]
+    assert {storage_key(s) for s in wanted} <= set(found)
+    assert storage_key(meta.untyped_storage()) not in found
+    del view
+
+
 # What "absolute" means -------------------------------------------------------------
 
 

@@ -24,7 +24,7 @@ from typing import Any, cast
 import torch
 
 from torchmem._compat import PlainTensorAccess, is_traceable_wrapper_subclass, storage_key
-from torchmem._objects import of_classes
+from torchmem._objects import instances_of
 from torchmem.meters.tensor import SPARSE_COMPONENTS
 from torchmem.records.tensors import TensorRecord
 from torchmem.resolve import DeviceLike, parse_device
@@ -240,8 +240,7 @@ def tensors_in(objects: Iterable[object]) -> list[torch.Tensor]:
     """The tensors among `objects` (e.g. ``gc.get_objects()``), subclasses included."""
     # By class, not isinstance(): isinstance() asks the object its __class__, which a dead
     # weak proxy answers with ReferenceError (pytorch_memlab #40).
-    found = of_classes(objects, lambda kind: issubclass(kind, torch.Tensor))
-    return cast("list[torch.Tensor]", found)
+    return cast("list[torch.Tensor]", instances_of(objects, torch.Tensor))
 
 
 def discover(
@@ -251,8 +250,7 @@ def discover(
     optimizers, in the order found."""
     modules: list[torch.nn.Module] = []
     optimizers: list[torch.optim.Optimizer] = []
-    wanted = (torch.nn.Module, torch.optim.Optimizer)
-    for obj in of_classes(objects, lambda kind: issubclass(kind, wanted)):  # as in tensors_in
+    for obj in instances_of(objects, torch.nn.Module, torch.optim.Optimizer):  # as in tensors_in
         if isinstance(obj, torch.nn.Module):
             modules.append(obj)
         else:

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from torchmem._compat import storage_key
-from torchmem._objects import of_classes
+from torchmem._objects import of_types, subclasses
 from torchmem.errors import TorchmemWarning
 from torchmem.meters import native
 from torchmem.meters.base import Meter, WindowRef
@@ -131,27 +131,40 @@ class CpuDispatchMeter(TensorMeter):
 
 
 def live_storages() -> list[torch.UntypedStorage]:
-    """Every CPU storage that Python objects (tensors, storages) reach now, once each."""
+    """Every CPU storage that Python objects (tensors, storages) reach now, once each.
+
+    A walk of every Python object: about 0.2 µs each, half to list them, half to read
+    their classes; the few tensors and storages among them cost little more."""
+    objects = gc.get_objects()
+    tensors = subclasses(torch.Tensor)
+    untyped = subclasses(torch.UntypedStorage)
+    typed = subclasses(torch.TypedStorage)
+    found = of_types(objects, tensors | untyped | typed)
+    del objects
     storages: dict[int, torch.UntypedStorage] = {}
-    found_kinds: dict[type, str] = {}
-
-    def wanted(cls: type) -> bool:
-        found_kinds[cls] = _kind(cls)
-        return found_kinds[cls] is not _OTHER
-
     obj: Any
-    for obj in of_classes(gc.get_objects(), wanted):
-        kind = found_kinds[type(obj)]
-        if kind is _TENSOR:
+    for obj in found:
+        kind = type(obj)
+        if kind in _PLAIN and obj.layout is torch.strided:  # nearly every tensor
+            try:
+                if not obj.is_cpu:
+                    continue
+                storage = obj.untyped_storage()
+                storage.data_ptr()
+            except (NotImplementedError, RuntimeError):  # no storage, or a gone one
+                continue
+            storages.setdefault(storage_key(storage), storage)
+            continue
+        if kind in tensors:
             try:
                 if obj.device.type != "cpu":
                     continue
-                found = list(storages_of(obj))
+                candidates = list(storages_of(obj))
             except (NotImplementedError, RuntimeError):  # subclasses without storage
                 continue
         else:
-            found = [obj if kind is _UNTYPED else obj.untyped()]
-        for storage in found:
+            candidates = [obj if kind in untyped else obj.untyped()]
+        for storage in candidates:
             try:
                 if storage.device.type != "cpu":
                     continue
@@ -162,17 +175,9 @@ def live_storages() -> list[torch.UntypedStorage]:
     return list(storages.values())
 
 
-_OTHER, _TENSOR, _UNTYPED, _TYPED = "other", "tensor", "untyped", "typed"
-
-
-def _kind(cls: type) -> str:
-    if issubclass(cls, torch.Tensor):
-        return _TENSOR
-    if issubclass(cls, torch.UntypedStorage):
-        return _UNTYPED
-    if issubclass(cls, torch.TypedStorage):
-        return _TYPED
-    return _OTHER
+_PLAIN = frozenset((torch.Tensor, torch.nn.Parameter))
+"""Tensor classes whose ``layout``, ``is_cpu`` and ``untyped_storage()`` are PyTorch's
+own: a strided one has one storage, on its device."""
 
 
 _allocator_meter: CpuAllocatorMeter | None = None

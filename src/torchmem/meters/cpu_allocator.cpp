@@ -15,7 +15,9 @@
 // also appended to an event log, with the allocation's site: the frame that
 // torchmem.records.frames.choose picks from the allocating thread's Python stack (compiled
 // in where Python's headers are found, TORCHMEM_PYTHON), and the whole stack the first
-// time a site is seen.
+// time a site is seen. The log is a stream of rows that Python drains as it fills
+// (torchmem.recorder.tally counts them): a free names its allocation by sequence number,
+// and Python adds rows of its own in order (what a storage is, a module's pass starting).
 
 #ifdef TORCHMEM_PYTHON
 #include <Python.h>  // first, as Python asks

@@ -46,6 +46,8 @@ e.g. evaluation with gradients on, drop the oldest)."""
 
 NOTES = 1 << 18
 """Marks and probes a :class:`Notes` buffer keeps at most (the latest)."""
+_DTYPES: dict[torch.dtype, str] = {}
+"""``str()`` of each dtype seen (it costs more than a look-up)."""
 _numbers = itertools.count()
 """Probe numbers, unique in the process (recordings that nest share one log)."""
 
@@ -59,7 +61,8 @@ class NameTable:
         self._index: dict[tuple[Any, ...], int] = {}
 
     def intern(self, name: tuple[Any, ...] | None, tensor: torch.Tensor) -> int:
-        entry = (name, tuple(tensor.shape), str(tensor.dtype))
+        dtype = _DTYPES.get(tensor.dtype) or _DTYPES.setdefault(tensor.dtype, str(tensor.dtype))
+        entry = (name, tuple(tensor.shape), dtype)
         index = self._index.get(entry)
         if index is None:
             index = self._index[entry] = len(self.entries)
@@ -186,6 +189,7 @@ class Watcher:
                 self._known.setdefault(id(module), module)
         for optimizer in optimizers:
             self.optimizers.setdefault(id(optimizer), optimizer)
+        self._marked.clear()  # all of it once more: the notes of a long run may have lost some
         for module in self._known.values():
             self._mark_parameters(module)
         for optimizer in self.optimizers.values():
@@ -289,7 +293,10 @@ class Watcher:
         self._probe(CLOSE, number, key, len(stack) << 1)
         if not torch.is_grad_enabled():
             return
-        outputs = [t for t in _tensors(output) if t.requires_grad]
+        if isinstance(output, torch.Tensor):  # the common case, without a generator
+            outputs = [output] if output.requires_grad else []
+        else:
+            outputs = [t for t in _tensors(output) if t.requires_grad]
         if not outputs:
             return
         ends = [t for t in _tensors(args) if t.requires_grad]

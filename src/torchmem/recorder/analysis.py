@@ -123,8 +123,8 @@ def _largest(
         entry = table.entries[name_at] if name_at != UNNAMED else None
         category = CATEGORIES[int(records.cat[i])]
         if records.born[i] < 0:
-            name = (namer(entry[0]) if entry else None) or "Tensor"
-            held.append(_held(name, size, category, entry, BEFORE))
+            before = (namer(entry[0]) if entry else None) or "Tensor"
+            held.append(_held(before, size, category, entry, BEFORE))
             continue
         key = _key(found, int(records.site[i]), int(records.owner[i]), namer)
         where = None

@@ -214,12 +214,15 @@ class CpuStream:
         """End the recording of `tally`, tallied to its end; the sites it may name."""
         with self._lock:
             last = self.library.record_stop()
-            self._drain()
-            self.tallies.remove(tally)
-            sites = dict(self.sites)
+            try:
+                self._drain()
+            finally:  # the log is left as it should be, whatever happened
+                self.tallies.remove(tally)
+                sites = dict(self.sites)
+                if last:
+                    self._halt.set()
         if last:
-            self._halt.set()
-            if self._thread is not None and self._thread is not threading.current_thread():
+            if self._thread is not None:
                 self._thread.join()
             self._thread = None
             self.library.record_clear()
@@ -227,10 +230,13 @@ class CpuStream:
         return sites
 
     def _run(self) -> None:
-        while not self._halt.wait(DRAIN_EVERY):
-            if self.library.count() - self._taken >= DRAIN_AT:
-                with self._lock:
-                    self._drain()
+        try:
+            while not self._halt.wait(DRAIN_EVERY):
+                if self.library.count() - self._taken >= DRAIN_AT:
+                    with self._lock:
+                        self._drain()
+        except Exception:  # the closing recording drains again, and raises it
+            pass
 
     def _drain(self) -> None:
         """Tally what the log holds; with the lock held."""

@@ -169,7 +169,12 @@ class Tally:
         delta = np.where(alloc | free, size, 0)
         cur = self.current + np.cumsum(delta)
 
-        adopt = (kind == ADOPT) & (rows[:, SITE] == self.ident)
+        # Its own adoptions, naming a storage by their own row or by an allocation made
+        # before it started (one made since, at a reused address, is counted already).
+        ref = rows[:, REF]
+        adopt = (
+            (kind == ADOPT) & (rows[:, SITE] == self.ident) & ((ref == seqs) | (ref < self.first))
+        )
         made = alloc | adopt
         new = Table(
             key=np.where(alloc, seqs, rows[:, REF])[made],
@@ -354,7 +359,7 @@ class Tally:
                 self.recent.pop(0)
                 total -= len(first)
             else:
-                self.recent[0] = first[total - WINDOW :]
+                self.recent[0] = first[total - WINDOW :].copy()  # not a view of all of it
                 total = WINDOW
         self.dropped = self.events - total
 

@@ -28,7 +28,8 @@ from torchmem.recorder.tally import (
     Tally,
 )
 
-BASE = 1000
+BASE = 1200
+"""Two storages adopted at the start (300 B each), two later (100 B each), 400 B hidden."""
 
 
 def random_stream(seed: int, steps: int) -> np.ndarray:
@@ -49,7 +50,12 @@ def random_stream(seed: int, steps: int) -> np.ndarray:
         live[address], sizes[address] = len(rows), 300
         row(address, 300, 0, len(rows), ADOPT)
     probe = 0
-    for _ in range(steps):
+    adopt_at = {steps // 3: 61, 2 * steps // 3: 62}  # made before the start, seen later
+    for step in range(steps):
+        if step in adopt_at:
+            address = adopt_at[step]
+            live[address], sizes[address] = len(rows), 100
+            row(address, 100, 0, len(rows), ADOPT)
         probe += 1
         module = rng.choice((11, 12))
         row(probe, 0, module, 0, OPEN)
@@ -86,22 +92,29 @@ def random_stream(seed: int, steps: int) -> np.ndarray:
 
 def brute_force(rows: np.ndarray) -> dict[str, object]:
     """The peak, what was alive then and at the end (by category), and each module's
-    forward and backward highs, counted row by row."""
-    current, peak, peak_at = BASE, BASE, -1
-    category: dict[int, int] = {}
-    alive: dict[int, int] = {}  # key -> size
-    at_peak: set[int] = set()
-    hidden = BASE
+    forward and backward highs, counted row by row. An adopted storage was alive from the
+    start until its free, whenever it was adopted."""
+    adopted: dict[int, int] = {}  # key -> row of its free
+    for i, (_, _, _, _, ref, kind) in enumerate(rows.tolist()):
+        if kind == ADOPT:
+            adopted[i] = len(rows)
+        elif kind == FREE and ref in adopted:
+            adopted[ref] = i
+    known = sum(int(rows[key, 2]) for key in adopted)
+    current, peak = BASE, BASE
+    category = {key: 4 for key in adopted}
+    alive: dict[int, int] = {key: int(rows[key, 2]) for key in adopted}
+    made: set[int] = set()
+    at_peak = set(adopted)
+    hidden = peak_hidden = BASE - known
     opened: dict[int, int] = {}
     forward: dict[int, int] = {}
     backward: dict[int, int] = {}
     history = []
     for i, (_, ptr, size, site, ref, kind) in enumerate(rows.tolist()):
-        if kind == ADOPT:
-            alive[ref], category[ref] = size, 4
-            hidden -= size
-        elif kind == ALLOC:
+        if kind == ALLOC:
             alive[i], category[i] = size, 4
+            made.add(i)
             current += size
         elif kind == FREE:
             current += size
@@ -118,11 +131,9 @@ def brute_force(rows: np.ndarray) -> dict[str, object]:
             if kind == HIT or not ref & 1:
                 table[site] = max(table.get(site, high), high)
         if current > peak:
-            peak, peak_at = current, i
-            at_peak = set(alive)
+            peak = current
+            at_peak = {k for k in made if k in alive} | {k for k, f in adopted.items() if f > i}
             peak_hidden = hidden
-    if peak_at < 0:
-        at_peak, peak_hidden = {k for k in alive if k < 2}, BASE - 600
     end = [0] * 5
     for key, size in alive.items():
         end[category[key]] += size
@@ -205,17 +216,21 @@ def test_engine_allocations_are_named_after_the_innermost_backward_pass() -> Non
 
 
 def test_what_a_tally_keeps_does_not_grow_with_the_events() -> None:
-    """Ten times the steps: as many records and spans kept, and a window of raw rows that
-    stops at its size."""
+    """Ten times the steps: no more records than addresses in use (62), at most a few spans
+    and pending names, and a window of raw rows that stops at its size."""
 
-    def kept(steps: int) -> tuple[int, int]:
+    def kept(steps: int) -> tuple[int, int, int]:
         tally = tallied(random_stream(0, steps), [1000] * (steps // 100))
-        records = sum(getattr(t, f).nbytes for t in (tally.live, tally.at_peak) for f in vars(t))
-        return records + len(tally._spans) + len(tally._pending), len(tally.recent_rows())
+        return (
+            len(tally.live) + len(tally.at_peak),
+            len(tally._spans) + len(tally._pending),
+            len(tally.recent_rows()),
+        )
 
-    (small, window), (large, full) = kept(20_000), kept(200_000)
-    assert large <= small * 1.1
-    assert window < full == WINDOW
+    small, large = kept(20_000), kept(200_000)
+    for records, waiting, _ in (small, large):
+        assert records <= 2 * 62 and waiting <= 4
+    assert small[2] < large[2] == WINDOW
 
 
 def test_a_recording_holds_no_more_for_a_million_allocations_than_for_a_quarter() -> None:

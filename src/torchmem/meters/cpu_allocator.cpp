@@ -92,10 +92,12 @@ constexpr int64_t kAdopt = 2;
 constexpr int64_t kOtherCategory = 4;  // torchmem.records.run.CATEGORIES: "other"
 
 // A storage alive while recording: its allocation's sequence number, and the lowest
-// category a mark gave it (a mark that gives none lower is not logged).
+// category a mark gave it since the latest recording started (a mark that gives none
+// lower is not logged; a recording that starts inside another hears each mark anew).
 struct Live {
   int64_t seq;
   int64_t category;
+  int64_t generation;
 };
 
 // 0: not recording; 1: recording; 2: recording with sites.
@@ -107,6 +109,7 @@ std::atomic<int> recording{0};
 std::mutex& log_mutex = *new std::mutex();
 std::vector<Event>& events = *new std::vector<Event>();
 int64_t taken = 0;  // rows drained since the recording started
+int64_t generation = 0;  // recordings started (those inside another too)
 std::unordered_map<void*, Live>& live = *new std::unordered_map<void*, Live>();
 
 inline int64_t now_ns() {
@@ -320,7 +323,7 @@ void record_alloc(void* data, int64_t n) {
     return;
   }
   const int64_t seq = taken + static_cast<int64_t>(events.size());
-  live[data] = {seq, kOtherCategory};
+  live[data] = {seq, kOtherCategory, generation};
   events.push_back({now_ns(), reinterpret_cast<int64_t>(data), n, site, -1, kAlloc});
 }
 
@@ -551,6 +554,7 @@ void torchmem_record_start(int with_sites, void*) {
   events.clear();
   live.clear();
   taken = 0;
+  ++generation;
 #ifdef TORCHMEM_PYTHON
   clear_sites();
   Py_XINCREF(match);
@@ -566,6 +570,14 @@ int64_t torchmem_record_stop() {
   recording.store(0);
   std::lock_guard<std::mutex> lock(log_mutex);
   live.clear();
+  return taken + static_cast<int64_t>(events.size());
+}
+
+// A recording starts inside the one going on: marks are logged anew. Returns the sequence
+// number of its first row.
+int64_t torchmem_record_nest() {
+  std::lock_guard<std::mutex> lock(log_mutex);
+  ++generation;
   return taken + static_cast<int64_t>(events.size());
 }
 
@@ -595,45 +607,46 @@ int64_t torchmem_record_take(int64_t* out, int64_t n) {
 }
 
 // A mark: the storage at ptr is of `category` now. Returns the sequence number of its
-// allocation where that lowers the category it had (the caller then notes the mark with
-// torchmem_record_note), else -1: a storage not recording saw, or one known as such.
+// allocation (or adoption) where that lowers the category it had since the latest
+// recording started (the caller then notes the mark with torchmem_record_note); -1 for a
+// storage known as such already; -2 for one the log has not seen (made before it started:
+// the caller may adopt it, torchmem_record_adopt).
 int64_t torchmem_record_mark(void* ptr, int64_t category) {
   std::lock_guard<std::mutex> lock(log_mutex);
   auto found = live.find(ptr);
-  if (!recording.load(std::memory_order_relaxed) || found == live.end() ||
-      found->second.category <= category) {
+  if (!recording.load(std::memory_order_relaxed)) {
     return -1;
   }
-  found->second.category = category;
-  return found->second.seq;
+  if (found == live.end()) {
+    return -2;
+  }
+  Live& storage = found->second;
+  if (storage.generation == generation && storage.category <= category) {
+    return -1;
+  }
+  storage.category = category;
+  storage.generation = generation;
+  return storage.seq;
 }
 
-// Appends a row Python made (a mark, a probe) to the log.
-void torchmem_record_note(int64_t kind, int64_t ptr, int64_t site, int64_t ref) {
+// Appends a row Python made (a mark, with its storage's size; a probe) to the log.
+void torchmem_record_note(int64_t kind, int64_t ptr, int64_t size, int64_t site, int64_t ref) {
   std::lock_guard<std::mutex> lock(log_mutex);
   if (recording.load(std::memory_order_relaxed)) {
-    events.push_back({now_ns(), ptr, 0, site, ref, kind});
+    events.push_back({now_ns(), ptr, size, site, ref, kind});
   }
 }
 
-// Adopts, for the recording `ident`, a storage alive when it started: a row that names
-// it by its allocation's sequence number if the log saw it, else by this row's. Its
-// marks start over (a recording inside another marks what it holds anew).
-void torchmem_record_adopt(void* ptr, int64_t size, int64_t ident) {
+// Adopts a storage made before the log started, alive still (its size from Python): a
+// row that names it from now on.
+void torchmem_record_adopt(void* ptr, int64_t size) {
   std::lock_guard<std::mutex> lock(log_mutex);
-  if (!recording.load(std::memory_order_relaxed)) {
+  if (!recording.load(std::memory_order_relaxed) || live.count(ptr)) {
     return;
   }
   const int64_t seq = taken + static_cast<int64_t>(events.size());
-  auto found = live.find(ptr);
-  int64_t ref = seq;
-  if (found != live.end()) {
-    ref = found->second.seq;
-    found->second.category = kOtherCategory;
-  } else {
-    live[ptr] = {seq, kOtherCategory};
-  }
-  events.push_back({now_ns(), reinterpret_cast<int64_t>(ptr), size, ident, ref, kAdopt});
+  live[ptr] = {seq, kOtherCategory, generation};
+  events.push_back({now_ns(), reinterpret_cast<int64_t>(ptr), size, kNoSite, seq, kAdopt});
 }
 
 // Whether sites can be recorded (built with Python's headers).

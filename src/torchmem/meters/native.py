@@ -64,6 +64,7 @@ class CpuAllocatorLibrary:
         self._py.torchmem_record_start.argtypes = [ctypes.c_int, ctypes.py_object]
         self._py.torchmem_record_stop.restype = ctypes.c_int64
         self._py.torchmem_record_count.restype = ctypes.c_int64
+        self._py.torchmem_record_nest.restype = ctypes.c_int64
         self._py.torchmem_record_take.restype = ctypes.c_int64
         self._py.torchmem_record_take.argtypes = [ctypes.c_void_p, ctypes.c_int64]
         # Called from the hooks, many times a step: plain functions, ctypes' cheapest call.
@@ -72,17 +73,18 @@ class CpuAllocatorLibrary:
         mark.argtypes = [ctypes.c_void_p, ctypes.c_int64]
         self.mark = mark
         """``mark(ptr, category)``: the sequence number of the allocation at `ptr` where
-        this lowers its category, else -1 (see :meth:`note`)."""
+        this lowers its category (then :meth:`note` the mark), -1 where it does not, -2
+        for a storage the log has not seen (made before it started: :attr:`adopt_row`)."""
         note = self._py.torchmem_record_note
         note.restype = None
-        note.argtypes = [ctypes.c_int64] * 4
+        note.argtypes = [ctypes.c_int64] * 5
         self.note = note
-        """``note(kind, ptr, site, ref)``: append a row (a mark, a probe) to the log."""
+        """``note(kind, ptr, bytes, site, ref)``: append a row (a mark, a probe) to the log."""
         adopt = self._py.torchmem_record_adopt
         adopt.restype = None
-        adopt.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
+        adopt.argtypes = [ctypes.c_void_p, ctypes.c_int64]
         self.adopt_row = adopt
-        """``adopt_row(ptr, bytes, ident)``: a storage alive when recording `ident` started."""
+        """``adopt_row(ptr, bytes)``: a storage made before the log started, alive still."""
         self._recordings = 0
         """How many recordings share the log now."""
         self._recordings_lock = threading.Lock()
@@ -127,7 +129,7 @@ class CpuAllocatorLibrary:
         """
         with self._recordings_lock:
             if self._recordings:
-                first = int(self._py.torchmem_record_count())
+                first = int(self._py.torchmem_record_nest())
                 if sites:
                     self._py.torchmem_record_sites()
             else:

@@ -17,13 +17,13 @@ for the others. Nothing the watcher keeps grows with the run's length.
 
 from __future__ import annotations
 
-import gc
 import itertools
 import threading
 import time
+import types
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.autograd.graph import register_multi_grad_hook, saved_tensors_hooks
@@ -36,6 +36,9 @@ from torch.utils.hooks import RemovableHandle
 from torchmem._compat import disable_dynamo, keep_dynamo_out
 from torchmem.recorder.tally import CLOSE, HIT, MARK, OPEN
 from torchmem.tensors import discover
+
+if TYPE_CHECKING:
+    from torchmem.meters.native import CpuAllocatorLibrary
 
 PARAMETERS, GRADIENTS, OPTIMIZER_STATE, ACTIVATIONS, OTHER = range(5)
 """Category indices, in the order of :data:`~torchmem.records.run.CATEGORIES`."""
@@ -104,8 +107,7 @@ class Watcher:
 
     def __init__(self, address: Callable[[torch.Tensor], int] | None = None) -> None:
         self._address = address or _data_ptr
-        self._log_mark: Callable[[int, int], int] | None = None
-        self._log_note: Callable[[int, int, int, int], None] | None = None
+        self._log: CpuAllocatorLibrary | None = None
         self.notes: Notes | None = None
         self.names = NameTable()
         self.modules: dict[int, torch.nn.Module] = {}
@@ -133,21 +135,20 @@ class Watcher:
 
     def use(
         self,
-        log: tuple[Callable[[int, int], int], Callable[[int, int, int, int], None]] | None = None,
+        log: CpuAllocatorLibrary | None = None,
         notes: Notes | None = None,
         names: NameTable | None = None,
     ) -> None:
         """Where marks and probes go, before :meth:`start`.
 
         Args:
-            log: the counting CPU allocator's ``(mark, note)`` functions (see
-                :class:`~torchmem.meters.native.CpuAllocatorLibrary`): CPU tensors' marks,
-                and the probes, go into its log.
+            log: the counting CPU allocator, recording: CPU tensors' marks, and the probes,
+                go into its log.
             notes: where the other marks go, and the probes too.
             names: the table marks' names go to (shared by the recordings a log serves).
         """
         if log is not None:
-            self._log_mark, self._log_note = log
+            self._log = log
         if notes is not None:
             self.notes = notes
         if names is not None:
@@ -167,9 +168,11 @@ class Watcher:
 
     def stop(self, held: Iterable[object] = ()) -> None:
         """Remove every hook, then mark what the modules and optimizers hold: those seen,
-        and those alive now that never ran while the hooks watched. Of the latter, the
-        outermost modules among `held` (the recorded code's variables) name their
-        parameters, as those that ran do."""
+        and those among `held` (the recorded code's variables, and what their lists,
+        tuples, dictionaries and attributes hold) that never ran while the hooks watched;
+        the outermost of those modules name their parameters, as those that ran do. No walk
+        over every object of the process: a model that never ran and that no variable
+        holds is not looked for."""
         if self._saved is not None:
             self._saved.__exit__(None, None, None)
             self._saved = None
@@ -179,10 +182,9 @@ class Watcher:
             for backward in pending:
                 self._close(backward)
         self._handles, self._pending = [], {}
-        roots, optimizers = discover(gc.get_objects())
-        held_ids = {id(value) for value in held}
+        roots, optimizers = discover(_within(held))
         for root in roots:
-            if id(root) in held_ids and id(root) not in self._roots:
+            if id(root) not in self._roots:
                 self.roots.append(root)
                 self._roots.add(id(root))
             for module in root.modules():
@@ -204,18 +206,25 @@ class Watcher:
             return
         if not ptr:
             return
-        if self._log_mark is not None and tensor.is_cpu:
-            seq = self._log_mark(ptr, category)
+        log = self._log
+        if log is not None and tensor.is_cpu:
+            seq = log.mark(ptr, category)
+            if seq == -2:  # made before the log started: adopted if PyTorch's allocator made it
+                storage = tensor.untyped_storage()
+                if not storage.resizable() or storage.is_shared():
+                    return
+                log.adopt_row(ptr, storage.nbytes())
+                seq = log.mark(ptr, category)
             if seq >= 0:
                 payload = self.names.intern(name, tensor) << 3 | category
-                self._log_note(MARK, ptr, payload, seq)  # type: ignore[misc]
+                log.note(MARK, ptr, tensor.untyped_storage().nbytes(), payload, seq)
         elif self.notes is not None:
             payload = self.names.intern(name, tensor) << 3 | category
             self.notes.mark(ptr, payload, str(tensor.device))
 
     def _probe(self, kind: int, number: int, module: int, ref: int) -> None:
-        if self._log_note is not None:
-            self._log_note(kind, number, module, ref)
+        if self._log is not None:
+            self._log.note(kind, number, 0, module, ref)
         if self.notes is not None:
             self.notes.probe(kind, number, module, ref)
 
@@ -385,6 +394,21 @@ class _Backward:
     def close(self) -> None:
         if self.started:
             self._probe(CLOSE, self.number, self.key, self.ref)
+
+
+def _within(values: Iterable[object]) -> Iterator[object]:
+    """`values`, and one level into each: the items of lists, tuples and dictionaries, the
+    attributes of other objects (not of Python modules, classes or functions)."""
+    for value in values:
+        yield value
+        if isinstance(value, (list, tuple)):
+            yield from value
+        elif isinstance(value, dict):
+            yield from value.values()
+        elif not isinstance(value, (types.ModuleType, type, torch.nn.Module, torch.Tensor)):
+            found = getattr(value, "__dict__", None)
+            if isinstance(found, dict):
+                yield from found.values()
 
 
 def _tensors(value: Any) -> Iterator[torch.Tensor]:

@@ -110,7 +110,7 @@ class Recording:
         if watcher is not None:
             stream = self._cpu.stream if self._cpu is not None else None
             if stream is not None:
-                watcher.use(log=(stream.library.mark, stream.library.note), names=stream.names)
+                watcher.use(log=stream.library, names=stream.names)
             if self._cuda is not None:
                 watcher.use(notes=Notes())
             self._watcher = watcher

@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import itertools
 import os
 import threading
 import time
@@ -24,7 +23,7 @@ import numpy as np
 import torch
 
 from torchmem.meters import Meter, Window, meter
-from torchmem.meters.cpu import CpuAllocatorMeter, live_storages
+from torchmem.meters.cpu import CpuAllocatorMeter
 from torchmem.meters.native import NO_FRAME_SITE, NO_PYTHON_SITE, CpuAllocatorLibrary
 from torchmem.recorder import history
 from torchmem.recorder.hooks import NameTable, Notes
@@ -186,15 +185,13 @@ class CpuStream:
         """The marks' names: one table for the recordings that share the log."""
         self._engine: set[int] = {NO_PYTHON_SITE}
         self._taken = 0
-        self._idents = itertools.count(1)
         self._lock = threading.Lock()
         self._halt = threading.Event()
         self._thread: threading.Thread | None = None
         os.register_at_fork(after_in_child=self._forget)
 
-    def open(self, sites: bool, used: Callable[[], int], baseline: list[tuple[int, int]]) -> Tally:
-        """Start a recording whose start is `used()` bytes, and whose storages alive at the
-        start are `baseline` (address, bytes); its tally."""
+    def open(self, sites: bool, used: Callable[[], int]) -> Tally:
+        """Start a recording whose start is `used()` bytes; its tally."""
         with self._lock:
             first = self.library.record_start(sites)
             if not first:
@@ -203,11 +200,9 @@ class CpuStream:
                 self._halt.clear()
                 self._thread = threading.Thread(target=self._run, name="torchmem-log", daemon=True)
                 self._thread.start()
-            tally = Tally(used(), time.monotonic_ns(), first, next(self._idents))
+            tally = Tally(used(), time.monotonic_ns(), first)
             tally.engine = self._engine
             self.tallies.append(tally)
-        for address, nbytes in baseline:
-            self.library.adopt_row(address, nbytes, tally.ident)
         return tally
 
     def close(self, tally: Tally) -> dict[int, SiteKey]:
@@ -291,8 +286,7 @@ class CpuLog:
 
     def start(self) -> None:
         assert self.stream is not None
-        baseline = [(s.data_ptr(), s.nbytes()) for s in live_storages()]
-        self._tally = self.stream.open(self.sites and self.records_sites, self.meter.used, baseline)
+        self._tally = self.stream.open(self.sites and self.records_sites, self.meter.used)
 
     def stop(self) -> Tallied:
         assert self.stream is not None and self._tally is not None

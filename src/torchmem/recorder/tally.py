@@ -7,7 +7,8 @@ was: a parameter, a gradient, ...) and a probe (a module's forward or backward p
 opening, reaching an end, closing). A row's sequence number is its place in the stream;
 a free, an adoption and a mark name the allocation they concern by its sequence number
 (:data:`REF`), which the producer (the counting allocator, or
-:func:`~torchmem.recorder.rows.merge`) tells from the address.
+:func:`~torchmem.recorder.sources.stream`) tells from the address. A storage made before
+the stream started is adopted when a mark first names it: it was alive all along.
 
 :class:`Tally` keeps only what the report reads: the allocations alive now and those
 alive at the highest use so far (each with its size, site, time, category and name), a
@@ -107,16 +108,14 @@ class Tally:
         base: bytes in use at the start.
         start: ``time.monotonic_ns()`` at the start.
         first: the sequence number of the first row it is fed.
-        ident: adoptions carrying this in :data:`SITE` are its own.
         engine: site indices of allocations autograd's engine made (named after the
             module whose backward pass ran then); more may be added as they appear.
     """
 
-    def __init__(self, base: int, start: int, first: int = 0, ident: int = 0) -> None:
+    def __init__(self, base: int, start: int, first: int = 0) -> None:
         self.base = base
         self.start = start
         self.first = first
-        self.ident = ident
         self.engine: set[int] = set()
         self.seq = first
         """Sequence number of the next row."""
@@ -169,33 +168,49 @@ class Tally:
         delta = np.where(alloc | free, size, 0)
         cur = self.current + np.cumsum(delta)
 
-        # Its own adoptions, naming a storage by their own row or by an allocation made
-        # before it started (one made since, at a reused address, is counted already).
-        ref = rows[:, REF]
-        adopt = (
-            (kind == ADOPT) & (rows[:, SITE] == self.ident) & ((ref == seqs) | (ref < self.first))
-        )
+        adopt = kind == ADOPT
         made = alloc | adopt
         new = Table(
-            key=np.where(alloc, seqs, rows[:, REF])[made],
+            key=seqs[made],
             born=np.where(alloc, seqs, -1)[made],
             ptr=rows[made, PTR],
-            size=np.abs(size[made]),
+            size=size[made],
             site=np.where(alloc, rows[:, SITE], BEFORE_SITE)[made],
             time=rows[made, TIME],
             cat=np.full(int(made.sum()), 4, np.int64),
             name=np.full(int(made.sum()), UNNAMED, np.int64),
             owner=np.full(int(made.sum()), -1, np.int64),
         )
-        table = self.live.concat(new)
-        adopted = int(size[adopt].sum())
-        if adopted:
-            self.hidden -= adopted
-            if self.peak_seq < self.first:  # the start is still the peak: they were alive then
-                self.at_peak = self.at_peak.concat(new.take(new.born < 0))
-                self.hidden_at_peak = self.hidden
-
+        # A storage made before the start, named by a mark only (this tally started inside
+        # another, which saw it made): known from its mark's size.
         marks = np.flatnonzero(kind == MARK)
+        earlier = marks[(rows[marks, REF] >= 0) & (rows[marks, REF] < self.first)]
+        if len(earlier):
+            earlier = earlier[~self.live.find(rows[earlier, REF])[1]]
+            earlier = earlier[np.unique(rows[earlier, REF], return_index=True)[1]]
+        if len(earlier):
+            new = new.concat(
+                Table(
+                    key=rows[earlier, REF],
+                    born=np.full(len(earlier), -1, np.int64),
+                    ptr=rows[earlier, PTR],
+                    size=size[earlier],
+                    site=np.full(len(earlier), BEFORE_SITE, np.int64),
+                    time=rows[earlier, TIME],
+                    cat=np.full(len(earlier), 4, np.int64),
+                    name=np.full(len(earlier), UNNAMED, np.int64),
+                    owner=np.full(len(earlier), -1, np.int64),
+                )
+            )
+        table = self.live.concat(new)
+        before = new.take(new.born < 0)
+        if len(before):
+            # Alive since before the start, and now: at the peak too, and never hidden.
+            known = int(before.size.sum())
+            self.hidden -= known
+            self.hidden_at_peak -= known
+            self.at_peak = self.at_peak.concat(before)
+
         if len(marks):
             self._mark(table, rows[marks, REF], rows[marks, SITE])
             if len(self.at_peak):

@@ -1,7 +1,8 @@
 """The whole suite: every case, its tables, and ``benchmarks/RESULTS.md``.
 
 ``python -m benchmarks`` runs :data:`FULL`; the tests run :data:`TINY`, so the suite
-cannot rot. Each section is printed as soon as it is measured.
+cannot rot. Each section is printed as soon as it is measured. ``python -m
+benchmarks.recorder`` runs only the cases of a recording's cost over long runs (11 to 13).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import inspect
 import os
 import platform
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -21,12 +22,16 @@ import psutil
 import torch
 
 from benchmarks import (
+    allocations,
     cells,
     estimate,
+    fixed,
     lines,
+    long,
     meters,
     peaks,
     plugin,
+    processes,
     ranks,
     reporter,
     run as run_command,
@@ -59,6 +64,10 @@ class Config:
     """Tests in the pytest plugin's suite."""
     snapshot_entries: int = 750_000
     """Trace entries of the synthetic memory snapshot."""
+    long_repeat: int = 3
+    """Runs of each contender in the long-run and tiny-allocation cases (minutes each)."""
+    record_repeat: int = 21
+    """Rounds of each contender in the recording's fixed-cost case."""
 
 
 FULL = Config()
@@ -73,6 +82,8 @@ TINY = Config(
     layers=1,
     tests=2,
     snapshot_entries=2_000,
+    long_repeat=1,
+    record_repeat=3,
 )
 
 
@@ -151,6 +162,42 @@ def sections(config: Config) -> Iterator[str]:
     rows = snapshot.measure(config.repeat, config.snapshot_entries)
     rows += snapshot.measure_real(config.repeat)
     yield table(rows) + "\n\n" + snapshot.verdicts(rows)
+
+    yield from recorder_sections(config)
+
+
+def recorder_sections(config: Config, cases: Collection[int] | None = None) -> Iterator[str]:
+    """The cases of a recording's cost over long runs and many events (11 to 13, or those
+    of `cases`), one markdown section at a time; ``python -m benchmarks.recorder`` runs
+    only these."""
+    for number, case in RECORDER_CASES.items():
+        if cases is None or number in cases:
+            yield from case(config)
+
+
+def long_runs(config: Config) -> Iterator[str]:
+    yield "## 11. torchmem run on long training runs\n\n" + doc(long)
+    runs = long.measure(config.long_repeat, config.scale)
+    yield processes.table(runs) + "\n\n" + long.verdicts(runs)
+
+
+def tiny_allocations(config: Config) -> Iterator[str]:
+    yield "## 12. Many tiny allocations\n\n" + doc(allocations)
+    runs = allocations.measure(config.long_repeat, config.scale)
+    yield processes.table(runs) + "\n\n" + allocations.verdicts(runs)
+
+
+def fixed_cost(config: Config) -> Iterator[str]:
+    yield "## 13. A recording's fixed cost\n\n" + doc(fixed)
+    rows, objects = fixed.measure(config.record_repeat)
+    yield table(rows) + "\n\n" + fixed.verdicts(rows, objects)
+
+
+RECORDER_CASES: dict[int, Callable[[Config], Iterator[str]]] = {
+    11: long_runs,
+    12: tiny_allocations,
+    13: fixed_cost,
+}
 
 
 def doc(module: ModuleType) -> str:

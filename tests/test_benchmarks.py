@@ -1,5 +1,6 @@
 """The benchmarks run (in a tiny configuration), so they cannot rot. No times asserted."""
 
+import subprocess
 import sys
 
 import pytest
@@ -133,6 +134,9 @@ def test_the_whole_suite_runs_and_writes_its_sections(monkeypatch):
         "## 8. pytest plugin",
         "## 9. torchmem run under torchrun",
         "## 10. Reading a memory snapshot",
+        "## 11. torchmem run on long training runs",
+        "## 12. Many tiny allocations",
+        "## 13. A recording's fixed cost",
     ]
     assert report.count("Skipped: no CUDA device on this machine.") == 3
     assert "\n".join(shown) + "\n" == report  # each section shown as it was measured
@@ -188,4 +192,131 @@ def test_snapshot_benchmark_runs_and_tabulates():
     assert rows[0][3] == 1.0
     assert snapshot.verdicts(rows).startswith(
         "- torchmem.load_snapshot (plain data only, analysed): "
+    )
+
+
+def test_a_process_run_weighs_the_child_alone_and_times_its_last_line():
+    from benchmarks import processes
+
+    big = "b = bytearray(200 * 2**20); b[::4096] = b'x' * len(b[::4096])"
+    last = f"import time; print({processes.MARK!r}, time.monotonic())"
+    large = processes.run([sys.executable, "-c", f"{big}; {last}"])
+    small = processes.run([sys.executable, "-c", "pass"])
+    assert large.rss > 200 * processes.MiB > small.rss  # not the largest child so far
+    assert large.tail is not None and 0 <= large.tail < large.seconds
+    assert small.tail is None
+    with pytest.raises(subprocess.CalledProcessError, match="exit status 3"):
+        processes.run([sys.executable, "-c", "raise SystemExit(3)"])
+
+
+def test_a_process_past_its_limit_is_stopped_and_not_run_again(monkeypatch):
+    from benchmarks import processes
+
+    sleep = [sys.executable, "-c", "import time; time.sleep(60)"]
+    stopped = processes.run(sleep, limit=0.5)
+    assert stopped.stopped
+    assert 0.5 <= stopped.seconds < 30
+    assert stopped.tail is None
+    monkeypatch.setattr(processes, "FLOOR", 0.5)
+    commands = {"plain": [sys.executable, "-c", "pass"], "slow": sleep}
+    base, slow = processes.measure("case", commands, repeat=2)
+    assert not base.stopped
+    assert slow.stopped
+    assert slow.ratio > 1
+    assert processes.table([base, slow]).splitlines()[3].endswith("| stopped |")
+
+
+def test_process_tables_and_verdicts():
+    from benchmarks import processes
+    from benchmarks.processes import MiB, Run
+
+    runs = [
+        Run("case", "python", 2.0, 1.0, 300 * MiB, 0, 0.05),
+        Run("case", "fast", 2.2, 1.1, 310 * MiB, 10 * MiB, 0.25),
+        Run("case", "slow", 4.0, 2.0, 700 * MiB, 400 * MiB, None),
+        Run("case", "stopped", 10.0, 5.0, 330 * MiB, 30 * MiB, None, stopped=True),
+    ]
+    text = processes.table(runs).splitlines()
+    assert text[0].startswith("| case | contender | median | ratio | peak RSS | RSS over plain |")
+    assert text[3] == "| case | fast | 2.20 s | 1.10x | 310 MiB | +10 MiB | 250 ms |"
+    assert text[4].endswith("| 700 MiB | +400 MiB | - |")
+    assert text[5] == "| case | stopped | >10.00 s | >5.00x | >330 MiB | >+30 MiB | stopped |"
+    targets = {"fast": 1.2, "slow": 1.2, "stopped": 1.2}
+    assert processes.verdicts(runs, targets, 64).splitlines() == [
+        "- case, fast: 1.10x (target 1.2x: met), +10 MiB RSS (target +64 MiB: met)",
+        "- case, slow: 2.00x (target 1.2x: missed), +400 MiB RSS (target +64 MiB: missed)",
+        "- case, stopped: more than 5.00x (stopped before its end) (target 1.2x: missed),"
+        " more than +30 MiB RSS (target +64 MiB: not known)",
+    ]
+    assert processes.verdicts(runs, {"slow": float("inf")}, 64) == (
+        "- case, slow: 2.00x, +400 MiB RSS (target +64 MiB: missed)"
+    )
+
+
+def test_long_run_benchmark_runs_and_tabulates():
+    from benchmarks import long
+
+    runs = long.measure(repeat=1, scale=0.001)
+    assert [(run.case, run.contender) for run in runs] == [
+        (f"examples/train_lm.py --steps {steps}", name)
+        for steps in (2, 20)
+        for name in long.CONTENDERS
+    ]
+    assert [run.ratio for run in runs if run.contender == "python"] == [1.0, 1.0]
+    assert all(run.rss > 0 and run.tail is not None and run.tail >= 0 for run in runs)
+    verdicts = long.verdicts(runs).splitlines()
+    assert [line.split(":")[0] for line in verdicts] == [
+        f"- examples/train_lm.py --steps {steps}, {name}"
+        for steps in (2, 20)
+        for name in long.CONTENDERS[1:]
+    ]
+    assert all(line.count("(target ") == 2 for line in verdicts)
+
+
+def test_tiny_allocation_benchmark_runs_and_tabulates():
+    from benchmarks import allocations
+
+    runs = allocations.measure(repeat=1, scale=0.0002)
+    assert [run.contender for run in runs] == list(allocations.CONTENDERS)
+    assert {run.case for run in runs} == {"1,000 x torch.empty(1)"}
+    assert all(run.tail is not None for run in runs)
+    verdicts = allocations.verdicts(runs).splitlines()
+    assert len(verdicts) == 2
+    assert all(line.endswith(("MiB: met)", "MiB: missed)")) for line in verdicts)
+
+
+def test_fixed_cost_benchmark_runs_and_tabulates():
+    from benchmarks import fixed
+
+    rows, objects = fixed.measure(repeat=1)
+    assert [name for _, name, _, _ in rows] == list(fixed.CONTENDERS)
+    assert rows[0][3] == 1.0
+    assert objects > 1000
+    verdicts = fixed.verdicts(rows, objects).splitlines()
+    assert [line.split(":")[0] for line in verdicts[:2]] == [
+        f"- {name}" for name in fixed.CONTENDERS[1:]
+    ]
+    assert all(line.endswith(("ms: met)", "ms: missed)")) for line in verdicts[:2])
+
+
+def test_plugin_verdict_holds_torchmem_to_pytest_memray_in_the_same_run():
+    from benchmarks import plugin
+
+    def found(ours: float, theirs: float | None) -> list:
+        seconds = {plugin.BASE: 10.0, plugin.OURS: ours, plugin.THEIRS: theirs}
+        return [("case", name, t, None) for name, t in seconds.items()]
+
+    assert plugin.verdicts(found(12.0, 14.0), tests=20).splitlines() == [
+        "- pytest, torchmem's limit_memory: +100 ms per test"
+        " (target at most pytest-memray's +200 ms, same run: met)",
+        "- pytest, pytest-memray's limit_memory: +200 ms per test",
+    ]
+    assert (
+        plugin.verdicts(found(14.0, 12.0), tests=20)
+        .splitlines()[0]
+        .endswith("(target at most pytest-memray's +100 ms, same run: missed)")
+    )
+    assert plugin.verdicts(found(12.0, None), tests=20) == (
+        "- pytest, torchmem's limit_memory: +100 ms per test"
+        " (target at most pytest-memray's, same run: pytest-memray is not installed)"
     )

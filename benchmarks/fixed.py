@@ -3,9 +3,9 @@
 ``str(rec.report())``, with allocation sites (the default) and without, alternating in
 one process, median of the rounds after a first round not counted; the cost is a
 recording's median minus the bare step's. The process is a new one (``python -m
-benchmarks.fixed``), holding what a small training script holds (a recording walks
-every Python object, so its cost grows with them: their count is shown), with one
-thread. Target: under 50 ms, sites on and off."""
+benchmarks.fixed``), holding what a small training script holds (a recording that
+walked every Python object would cost more with more of them: their count is shown),
+with one thread. Target: under 50 ms, sites on and off."""
 
 from __future__ import annotations
 

@@ -122,6 +122,10 @@ class Watcher:
         self._saved: saved_tensors_hooks | None = None
         self._roots: set[int] = set()
         self._known: dict[int, torch.nn.Module] = {}  # modules seen, or alive at the end
+        self._params: dict[int, list[torch.nn.Parameter]] = {}
+        self._param_hooks: dict[int, RemovableHandle] = {}
+        self._waiting: dict[int, set[_Backward]] = {}
+        """id() of a parameter -> the backward passes waiting for its gradient."""
         self._marked: dict[int, tuple[Any, ...]] = {}
         """id() of a module or optimizer -> where its tensors were when last marked."""
         # Dynamo must not trace the hooks (it fails on them): they run eagerly, and a
@@ -130,6 +134,7 @@ class Watcher:
             _opaque(h) for h in (self._forward_pre, self._forward, self._step_pre, self._step)
         ]
         self._saved_hooks = (_opaque(self._pack), _opaque(_unpack))
+        self._accumulated_hook = _opaque(self._accumulated)
 
     # Installing ------------------------------------------------------------------------
 
@@ -181,7 +186,9 @@ class Watcher:
         for pending in self._pending.values():
             for backward in pending:
                 self._close(backward)
-        self._handles, self._pending = [], {}
+        for handle in self._param_hooks.values():
+            handle.remove()
+        self._handles, self._pending, self._param_hooks, self._waiting = [], {}, {}, {}
         roots, optimizers = discover(_within(held))
         for root in roots:
             if id(root) not in self._roots:
@@ -209,15 +216,17 @@ class Watcher:
         log = self._log
         if log is not None and tensor.is_cpu:
             seq = log.mark(ptr, category)
+            if seq == -1:
+                return
+            storage = tensor.untyped_storage()
             if seq == -2:  # made before the log started: adopted if PyTorch's allocator made it
-                storage = tensor.untyped_storage()
                 if not storage.resizable() or storage.is_shared():
                     return
                 log.adopt_row(ptr, storage.nbytes())
                 seq = log.mark(ptr, category)
             if seq >= 0:
                 payload = self.names.intern(name, tensor) << 3 | category
-                log.note(MARK, ptr, tensor.untyped_storage().nbytes(), payload, seq)
+                log.note(MARK, ptr, storage.nbytes(), payload, seq)
         elif self.notes is not None:
             payload = self.names.intern(name, tensor) << 3 | category
             self.notes.mark(ptr, payload, str(tensor.device))
@@ -309,10 +318,11 @@ class Watcher:
         if not outputs:
             return
         ends = [t for t in _tensors(args) if t.requires_grad]
+        params: list[torch.nn.Parameter] = []
         if not ends:
-            ends = [p for p in module.parameters() if p.requires_grad]
-        if not ends:
-            return
+            params = self._params_of(module)
+            if not params:
+                return
         backward = _Backward(key, len(stack), self._probe)
         if len(outputs) == 1:  # the same as a multi-grad hook on one tensor, at less cost
             backward.handles = [outputs[0].register_hook(backward.begin)]  # type: ignore[no-untyped-call]
@@ -321,6 +331,9 @@ class Watcher:
         # One hook per tensor, not a multi-grad hook in mode "all": that one raises inside
         # torch.autograd.grad() for leaf tensors (parameters, inputs).
         backward.handles += [t.register_hook(backward.end) for t in ends]  # type: ignore[no-untyped-call]
+        for param in params:  # their hooks stay: a whole model's, per call, would cost much
+            self._waiting.setdefault(id(param), set()).add(backward)
+        backward.params = params
         pending = self._pending.setdefault(key, [])
         pending.append(backward)
         if len(pending) > PENDING:
@@ -341,10 +354,30 @@ class Watcher:
         # backward pass would never be freed. A detached alias shares storage and version.
         return tensor.detach()
 
+    def _params_of(self, module: torch.nn.Module) -> list[torch.nn.Parameter]:
+        """The parameters needing gradients of `module` (a module whose inputs need none
+        ends its backward with their gradients), each with a hook that lasts until
+        :meth:`stop` and hits the backward passes waiting for it."""
+        params = self._params.get(id(module))
+        if params is None:
+            params = self._params[id(module)] = [p for p in module.parameters() if p.requires_grad]
+            for param in params:
+                if id(param) not in self._param_hooks:
+                    self._param_hooks[id(param)] = param.register_post_accumulate_grad_hook(
+                        self._accumulated_hook
+                    )
+        return params
+
+    def _accumulated(self, param: torch.Tensor) -> None:
+        for backward in list(self._waiting.get(id(param), ())):
+            backward.end(None)
+
     def _close(self, backward: _Backward) -> None:
         """Remove `backward`'s hooks; close its probe if it began."""
         for handle in backward.handles:
             handle.remove()
+        for param in backward.params:
+            self._waiting[id(param)].discard(backward)
         backward.close()
 
 
@@ -379,6 +412,8 @@ class _Backward:
         self.started = False
         self.ended = False
         self.handles: list[RemovableHandle] = []
+        self.params: list[torch.nn.Parameter] = []
+        """The parameters whose gradients end it (where no input needs a gradient)."""
         self._probe = probe
 
     def begin(self, grad: Any) -> None:

@@ -64,8 +64,9 @@ class Config:
     """Tests in the pytest plugin's suite."""
     snapshot_entries: int = 750_000
     """Trace entries of the synthetic memory snapshot."""
-    long_repeat: int = 3
-    """Runs of each contender in the long-run and tiny-allocation cases (minutes each)."""
+    long_repeat: int = 1
+    """Runs of each contender in the long-run and tiny-allocation cases (minutes each: one
+    round, so that the whole suite stays under an hour)."""
     record_repeat: int = 21
     """Rounds of each contender in the recording's fixed-cost case."""
 

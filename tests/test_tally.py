@@ -248,8 +248,10 @@ def test_a_recording_holds_no_more_for_a_million_allocations_than_for_a_quarter(
         assert cpu.peak_bytes - cpu.start_bytes == 4  # one tiny tensor at a time
         return peak
 
+    # What is left is a chunk being tallied (how big depends on how far the draining
+    # thread lags) and the window of raw rows: a few MiB, not 80 bytes an allocation.
     small, large = ours(250_000), ours(1_000_000)
-    assert large - small < 2**20
+    assert large < small + 8 * 2**20 and large < 32 * 2**20
 
 
 @pytest.mark.slow

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import gc
+import random
 import subprocess
 import sys
 import textwrap
@@ -20,6 +21,7 @@ import pytest
 import torch
 
 import torchmem.lines
+import torchmem.lines.recording
 from standins import (
     CudaStandIn,
     GiB,
@@ -31,6 +33,10 @@ from standins import (
     gpu_uuid,
 )
 from torchmem import LineProfiler, meter, profile, profile_every, set_target_gpu, valid_columns
+from torchmem.errors import TorchmemError
+from torchmem.lines.recording import LineTally
+from torchmem.meters import CpuAllocatorMeter
+from torchmem.meters.cpu import COUNTS, counters_of
 from torchmem.units import readable_size
 
 PEAK, DELTA = "active_bytes.all.peak", "active_bytes.all.delta"
@@ -160,6 +166,99 @@ def test_a_line_run_many_times_shows_its_highest_peak_and_summed_change():
     assert body[PEAK] == base + 3 * MiB
     assert body[DELTA] == 3 * MiB
     assert body["active_bytes.all.current"] == base + 3 * MiB
+
+
+# The counting CPU allocator's lines, read without dicts ----------------------------------
+
+
+def busy():
+    kept = allocate()
+    for _ in range(3):
+        kept = kept + 1
+        nothing = len(kept)  # allocates and frees nothing: no lap
+    del kept
+    return nothing
+
+
+def test_on_the_counting_allocator_lines_record_what_the_dicts_of_any_meter_give(monkeypatch):
+    if not isinstance(meter("cpu"), CpuAllocatorMeter):
+        pytest.skip("the counting allocator is not available here")
+
+    def profiled() -> list[list[tuple[int, int, list[tuple[str, int]]]]]:
+        with LineProfiler(busy, loop, device="cpu") as prof:
+            busy()
+            loop()
+            with meter("cpu").window():  # another window, which each lap folds into
+                busy()
+        return [
+            [(x.hits, x.lineno, list(x.stats.items())) for x in f.lines] for f in prof.records()
+        ]
+
+    base = alive()
+    fast = profiled()
+    assert alive() == base
+    # Every meter but the counting allocator's is read through its dicts.
+    monkeypatch.setattr(torchmem.lines.recording, "CpuAllocatorMeter", type(None))
+    assert profiled() == fast
+    number = busy.__code__.co_firstlineno + 4  # nothing = len(kept)
+    ((hits, _, line),) = [row for row in fast[0] if row[1] == number]
+    assert hits == 6
+    assert dict(line)["allocated_bytes.all.peak"] == base + 4 * MiB  # kept alone
+    assert {k: v for k, v in line if k.endswith((".delta", ".allocated", ".freed"))} == {
+        "allocated_bytes.all.delta": 0,
+        "allocated_bytes.all.allocated": 0,
+        "allocated_bytes.all.freed": 0,
+        "allocation.all.allocated": 0,
+        "allocation.all.freed": 0,
+        "active_bytes.all.delta": 0,
+        "active_bytes.all.allocated": 0,
+        "active_bytes.all.freed": 0,
+    }
+
+
+def test_a_line_adds_the_counting_allocators_counts_as_it_adds_their_dicts():
+    rng = random.Random(0)
+    fast, slow = LineTally(), LineTally()
+    start = [10**6, 10**6, 5 * 10**6, 4 * 10**6, 100, 90, 0]
+    for _ in range(200):
+        counts = list(start)
+        if rng.random() < 0.5:  # allocations and frees; else nothing moved (the same list)
+            made, freed = rng.randrange(10**5), rng.randrange(10**5)
+            counts[0] += made - freed
+            counts[2:6] = [start[2] + made, start[3] + freed, start[4] + 1, start[5] + 1]
+            counts[1] = counts[0]
+        else:
+            counts = start
+        peak = max(start[0], counts[0]) + rng.randrange(10**4)
+        fast.add_counts(peak, counts, start)
+        slow.add({COUNTS[1]: peak}, counters_of(start), counters_of(counts))
+        assert (fast.hits, list(fast.values.items())) == (slow.hits, list(slow.values.items()))
+        start = counts
+
+
+def test_lap_counts_laps_a_window_as_lap_with_counters_does():
+    cpu = meter("cpu")
+    if not isinstance(cpu, CpuAllocatorMeter):
+        pytest.skip("the counting allocator is not available here")
+    outer, a, b = cpu.window(), cpu.window(), cpu.window()
+    base = alive()
+    torch.zeros(1024, 1024)  # 4 MiB, freed at once
+    peaks, counters = a.lap_with_counters()
+    peak, counts = cpu.lap_counts(b)
+    assert peaks == {"allocated_bytes.all": base + 4 * MiB} and peak == base + 4 * MiB
+    assert counters_of(counts) == counters == cpu.counters()
+    assert counts[1] == counts[0] == base == b.start  # the peak counter starts over
+    torch.zeros(2048, 1024)
+    peak, counts = cpu.lap_counts(b)
+    assert peak == base + 8 * MiB and counts[1] == base
+    assert a.lap() == {"allocated_bytes.all": base + 8 * MiB}  # folded in before the reset
+    assert cpu.lap_counts(b)[0] == base  # nothing since
+    a.close()
+    b.close()
+    assert outer.peak() == base + 8 * MiB
+    outer.close()
+    with pytest.raises(TorchmemError, match="closed window"):
+        cpu.lap_counts(b)
 
 
 def inner():

@@ -4,6 +4,10 @@ ends (:mod:`~torchmem.lines.settrace`, :mod:`~torchmem.lines.monitoring`) report
 Every call of a watched function gets its own peak window on the meter, restarted at each
 line, so a line's peak is exactly the highest use while it ran (the functions it called
 included), and nested, recursive and threaded calls each see their own.
+
+On the counting CPU allocator (the CPU's meter), which lines read on every line event, a
+line reads its counters as one list and restarts the window only where they moved: a line
+that allocated, freed and adopted nothing stayed at its start's bytes.
 """
 
 from __future__ import annotations
@@ -15,7 +19,8 @@ from collections.abc import Callable
 from typing import Protocol
 
 from torchmem.lines.columns import with_aliases
-from torchmem.meters import Meter, Window
+from torchmem.meters import CpuAllocatorMeter, Meter, Window
+from torchmem.meters.cpu import COUNTS, counters_of
 from torchmem.records.lines import FunctionRecord, LineRecord
 
 
@@ -83,11 +88,13 @@ class WatchedFunction:
 class LineTally:
     """What one source line recorded over its runs."""
 
-    __slots__ = ("hits", "values")
+    __slots__ = ("counted", "hits", "values")
 
     def __init__(self) -> None:
         self.hits = 0
         self.values: dict[str, int] = {}
+        self.counted = False
+        """True once :attr:`values` has every column :meth:`add_counts` adds to."""
 
     def add(self, peaks: dict[str, int], start: dict[str, int], end: dict[str, int]) -> None:
         """One more run of the line: the window's `peaks`, and the meter's counters at
@@ -109,6 +116,29 @@ class LineTally:
                 key = delta
             values[key] = values.get(key, 0) + change
 
+    def add_counts(self, peak: int, counts: list[int], start: list[int]) -> None:
+        """:meth:`add` for the counting CPU allocator: the line's `peak`, and the meter's
+        :attr:`~torchmem.meters.CpuAllocatorMeter.counts` at its end and `start` (the same
+        list where they did not move). The same values, without the dicts."""
+        values = self.values
+        if not self.counted:  # the first run adds the columns, in add()'s order
+            self.add({COUNTS[1]: peak}, counters_of(start), counters_of(counts))
+            self.counted = all(column in values for column in _COUNT_COLUMNS)
+            return
+        self.hits += 1
+        if peak > values[_PEAK_COLUMN]:
+            values[_PEAK_COLUMN] = peak
+        current = counts[0]
+        if current > values[_CURRENT_COLUMN]:
+            values[_CURRENT_COLUMN] = current
+        if counts is start:
+            return  # every change is 0
+        values[_DELTA_COLUMN] += current - start[0]
+        values[_ALLOCATED_COLUMN] += counts[2] - start[2]
+        values[_FREED_COLUMN] += counts[3] - start[3]
+        values[_ALLOCATIONS_COLUMN] += counts[4] - start[4]
+        values[_FREES_COLUMN] += counts[5] - start[5]
+
 
 # Column names, made once per stat rather than on every line.
 _PEAK: dict[str, str] = {}
@@ -121,6 +151,13 @@ def _delta_key(key: str) -> str:
     return f"{stat}.delta" if part == "current" else ""
 
 
+# The columns add() makes of the counting allocator's counts, in the order it adds them.
+_PEAK_COLUMN = f"{COUNTS[1]}.peak"
+_CURRENT_COLUMN, _DELTA_COLUMN = COUNTS[0], _delta_key(COUNTS[0])
+_ALLOCATED_COLUMN, _FREED_COLUMN, _ALLOCATIONS_COLUMN, _FREES_COLUMN = COUNTS[2:6]
+_COUNT_COLUMNS = (_PEAK_COLUMN, _CURRENT_COLUMN, _DELTA_COLUMN, *COUNTS[2:6])
+
+
 class Call:
     """One running call of a watched function: its window, and the line it is on.
 
@@ -129,14 +166,17 @@ class Call:
     """
 
     __slots__ = (
+        "allocator",
         "ended",
         "function",
         "key",
         "line",
         "lock",
         "meter",
+        "read_counts",
         "recording",
         "start",
+        "start_counts",
         "thread",
         "window",
     )
@@ -154,6 +194,13 @@ class Call:
         self.window: Window | None = None
         self.line = 0
         self.start: dict[str, int] = {}
+        self.allocator: CpuAllocatorMeter | None = None
+        """The meter, where it is the counting CPU allocator's: read through its counts
+        (:attr:`read_counts`), and :attr:`start_counts` in place of :attr:`start`."""
+        self.read_counts: Callable[[], list[int]] = list
+        """:attr:`allocator`'s :attr:`~torchmem.meters.CpuAllocatorMeter.counts`, kept here:
+        one lookup less on every line."""
+        self.start_counts: list[int] = []
 
     def at_line(self, lineno: int) -> None:
         """The call reached line `lineno`: charge what happened since the last line to it."""
@@ -163,12 +210,30 @@ class Call:
                 # Ended, or started before disable() and now just winding down.
                 if self.ended or not self.recording.depth:
                     return
-                meter = self.meter = self.recording.meter()
-                self.window = meter.window()
-                self.start = meter.counters()
+                self._open()
+            elif self.allocator is not None:  # the CPU's meter: no dicts
+                # A lap only where the counts moved: a line that allocated, freed and
+                # adopted nothing (most lines of most code) stayed at its start's bytes,
+                # which is what a lap would find.
+                start = self.start_counts
+                counts = self.read_counts()
+                if counts == start:
+                    self._count(counts[0], start)
+                else:
+                    self._count(*self.allocator.lap_counts(window, counts))
             else:
                 self._charge(*window.lap_with_counters())
             self.line = lineno
+
+    def _open(self) -> None:
+        meter = self.meter = self.recording.meter()
+        self.window = meter.window()
+        if isinstance(meter, CpuAllocatorMeter):
+            self.allocator = meter
+            self.read_counts = meter.counts
+            self.start_counts = meter.counts()
+        else:
+            self.start = meter.counters()
 
     def end(self) -> None:
         """The call returned, raised, yielded, or stopped being measured (in any thread)."""
@@ -177,6 +242,11 @@ class Call:
             self.ended = True
             window, self.window = self.window, None
             if window is None:
+                return
+            if self.allocator is not None:
+                peak, counts = self.allocator.lap_counts(window)
+                window.close()
+                self._count(peak, counts)
                 return
             peaks, end = window.lap_with_counters()
             window.close()
@@ -192,3 +262,14 @@ class Call:
                 line = lines[self.line] = LineTally()
             line.add(peaks, self.start, end)
         self.start = end
+
+    def _count(self, peak: int, counts: list[int]) -> None:
+        """:meth:`_charge` for the counting CPU allocator: the line's `peak`, and the
+        meter's counts at its end (:attr:`start_counts` itself where they did not move)."""
+        lines = self.function.lines
+        with self.recording.lock:
+            line = lines.get(self.line)
+            if line is None:
+                line = lines[self.line] = LineTally()
+            line.add_counts(peak, counts, self.start_counts)
+        self.start_counts = counts

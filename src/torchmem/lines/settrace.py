@@ -64,6 +64,23 @@ def _hook(tracer: Settrace, thread: ThreadTrace) -> TraceFunction:
     and forwards every event to ``thread.chained``. A plain function, as it runs on every
     Python call: the cheapest thing to call.
     """
+    if thread.chained is None:
+        # Nothing to forward to, now or later (a tracer installed after ours replaces it):
+        # the hook of most threads. It reads the frame's code and the tracer's one watched
+        # code, and nothing more (each variable of a closure costs each call too).
+
+        def alone(frame: types.FrameType, event: str, arg: Any) -> Any:
+            # Only "call" events reach a global trace function.
+            code = frame.f_code
+            only = tracer.only
+            if code is only:
+                return tracer.trace(frame, None)
+            if only is None:  # several functions watched, or none
+                return tracer.look_up(frame, thread)
+            return None
+
+        return alone
+
     recordings, watched = tracer.recordings, tracer.watched
     gettrace, settrace = sys.gettrace, sys.settrace
     chained = thread.chained  # kept here too: a closure's variable is quicker to read
@@ -85,19 +102,10 @@ def _hook(tracer: Settrace, thread: ThreadTrace) -> TraceFunction:
             if gettrace() is hook:
                 settrace(chained)
             return local
-        key = id(frame.f_code)
-        if key in watched:
-            traced = local
-            for recording in recordings:
-                function = recording.functions.get(key)
-                if function is not None and recording.depth:
-                    traced = TracedCall(recording, function, traced)
-                    recording.running[traced] = traced
-            if traced is not local:
-                # A tracer that does not measure this file (coverage.py) turns its line
-                # events off; the profiler needs them.
-                frame.f_trace_lines = True
-                return traced
+        code = frame.f_code
+        only = tracer.only
+        if code is only or (only is None and id(code) in watched):
+            return tracer.trace(frame, local)
         return local
 
     return hook
@@ -112,10 +120,16 @@ class Settrace:
     enabled one, and, through ``threading.settrace``, one in each thread started while one
     is enabled. Made by the first :meth:`join`, gone after the last :meth:`leave`."""
 
+    __slots__ = ("only", "recordings", "thread_chained", "thread_hook", "threads", "watched")
+
     def __init__(self) -> None:
         self.recordings: list[Recording] = []
         self.watched: set[int] = set()
         """``id()`` of every watched code object."""
+        self.only: types.CodeType | None = None
+        """The watched code object, where there is one (None for several, or none): the
+        hooks compare each call's code with it, an identity test, where looking up its
+        ``id()`` in :attr:`watched` makes an int and probes a set on every Python call."""
         self.threads: dict[int, ThreadTrace] = {}
         self.thread_chained = threading.gettrace()
         """The tracer for new threads that was there before ours."""
@@ -148,9 +162,36 @@ class Settrace:
 
     def update(self) -> None:
         """The watched functions changed."""
-        watched = {key for r in self.recordings for key in r.functions}
-        self.watched.intersection_update(watched)
-        self.watched.update(watched)
+        codes = {key: f.code for r in self.recordings for key, f in r.functions.items()}
+        self.watched.intersection_update(codes)
+        self.watched.update(codes)
+        self.only = next(iter(codes.values())) if len(codes) == 1 else None
+
+    def trace(self, frame: types.FrameType, local: TraceFunction) -> TraceFunction:
+        """A watched function's call: trace its frame for each recording watching it, in
+        front of `local`, the frame's trace function of the tracer there before ours."""
+        key = id(frame.f_code)
+        traced = local
+        for recording in self.recordings:
+            function = recording.functions.get(key)
+            if function is not None and recording.depth:
+                traced = TracedCall(recording, function, traced)
+                recording.running[traced] = traced
+        if traced is not local:
+            # A tracer that does not measure this file (coverage.py) turns its line
+            # events off; the profiler needs them.
+            frame.f_trace_lines = True
+        return traced
+
+    def look_up(self, frame: types.FrameType, thread: ThreadTrace) -> TraceFunction:
+        """A call in `thread`, which has no tracer to forward to, while several functions
+        are watched, or none: traced if watched; once every profiler is off, the thread's
+        hook steps aside."""
+        if id(frame.f_code) in self.watched:
+            return self.trace(frame, None)
+        if not self.recordings and sys.gettrace() is thread.hook:
+            sys.settrace(None)
+        return None
 
     def enter_thread(self) -> None:
         """A profiler starts in this thread: our hook goes in front of its tracer."""

@@ -90,6 +90,7 @@ constexpr int64_t kAlloc = 0;
 constexpr int64_t kFree = 1;
 constexpr int64_t kAdopt = 2;
 constexpr int64_t kOtherCategory = 4;  // torchmem.records.run.CATEGORIES: "other"
+constexpr size_t kKeptCapacity = size_t{1} << 18;  // rows the drained log may keep room for
 
 // A storage alive while recording: its allocation's sequence number, and the lowest
 // category a mark gave it since the latest recording started (a mark that gives none
@@ -602,6 +603,9 @@ int64_t torchmem_record_take(int64_t* out, int64_t n) {
   const int64_t count = std::min(std::max<int64_t>(n, 0), static_cast<int64_t>(events.size()));
   std::memcpy(out, events.data(), static_cast<size_t>(count) * sizeof(Event));
   events.erase(events.begin(), events.begin() + count);
+  if (events.empty() && events.capacity() > kKeptCapacity) {
+    std::vector<Event>().swap(events);  // a backlog's memory goes back once drained
+  }
   taken += count;
   return count;
 }

@@ -49,6 +49,8 @@ e.g. evaluation with gradients on, drop the oldest)."""
 
 NOTES = 1 << 18
 """Marks and probes a :class:`Notes` buffer keeps at most (the latest)."""
+CATCH_UP = 64
+"""Module calls between two looks at how far the CPU log's draining lags."""
 _DTYPES: dict[torch.dtype, str] = {}
 """``str()`` of each dtype seen (it costs more than a look-up)."""
 _numbers = itertools.count()
@@ -108,6 +110,8 @@ class Watcher:
     def __init__(self, address: Callable[[torch.Tensor], int] | None = None) -> None:
         self._address = address or _data_ptr
         self._log: CpuAllocatorLibrary | None = None
+        self._catch_up: Callable[[], None] | None = None
+        self._since = 0
         self.notes: Notes | None = None
         self.names = NameTable()
         self.modules: dict[int, torch.nn.Module] = {}
@@ -143,6 +147,7 @@ class Watcher:
         log: CpuAllocatorLibrary | None = None,
         notes: Notes | None = None,
         names: NameTable | None = None,
+        catch_up: Callable[[], None] | None = None,
     ) -> None:
         """Where marks and probes go, before :meth:`start`.
 
@@ -151,9 +156,13 @@ class Watcher:
                 go into its log.
             notes: where the other marks go, and the probes too.
             names: the table marks' names go to (shared by the recordings a log serves).
+            catch_up: called every :data:`CATCH_UP` module calls, to tally the log where
+                its thread fell behind.
         """
         if log is not None:
             self._log = log
+        if catch_up is not None:
+            self._catch_up = catch_up
         if notes is not None:
             self.notes = notes
         if names is not None:
@@ -302,6 +311,10 @@ class Watcher:
         number = next(_numbers)
         self._probe(OPEN, number, key, len(stack) << 1)
         stack.append((key, number))
+        self._since += 1
+        if self._since >= CATCH_UP and self._catch_up is not None:
+            self._since = 0
+            self._catch_up()
 
     def _forward(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         stack = self._stack()
@@ -363,7 +376,7 @@ class Watcher:
             params = self._params[id(module)] = [p for p in module.parameters() if p.requires_grad]
             for param in params:
                 if id(param) not in self._param_hooks:
-                    self._param_hooks[id(param)] = param.register_post_accumulate_grad_hook(
+                    self._param_hooks[id(param)] = param.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
                         self._accumulated_hook
                     )
         return params

@@ -110,7 +110,7 @@ class Recording:
         if watcher is not None:
             stream = self._cpu.stream if self._cpu is not None else None
             if stream is not None:
-                watcher.use(log=stream.library, names=stream.names)
+                watcher.use(log=stream.library, names=stream.names, catch_up=stream.catch_up)
             if self._cuda is not None:
                 watcher.use(notes=Notes())
             self._watcher = watcher

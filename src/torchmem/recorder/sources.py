@@ -63,6 +63,8 @@ CHUNK = 1 << 16
 """Rows of the CPU log tallied at once."""
 DRAIN_AT = 1 << 15
 """Rows waiting in the CPU log that make the drain thread tally them."""
+BACKLOG = 1 << 17
+"""Rows waiting in the CPU log that make the recorded code's own thread tally them."""
 DRAIN_EVERY = 0.05
 """Seconds between two looks of the drain thread at the CPU log."""
 
@@ -223,6 +225,13 @@ class CpuStream:
             self.library.record_clear()
         tally.finish()
         return sites
+
+    def catch_up(self) -> None:
+        """Tally the log here and now if the thread has fallen behind (a program that
+        seldom lets it run): the log never holds more than :data:`BACKLOG` rows for long."""
+        if self.library.count() - self._taken >= BACKLOG:
+            with self._lock:
+                self._drain()
 
     def _run(self) -> None:
         try:

@@ -291,26 +291,7 @@ class Tally:
                 high[(op == CLOSE) & ~backward & known],
             )
             _most(self.backward, module[(op == HIT) & known], high[(op == HIT) & known])
-            fields = zip(
-                at.tolist(),
-                number.tolist(),
-                op.tolist(),
-                module.tolist(),
-                rows[at, REF].tolist(),
-                rows[at, TIME].tolist(),
-                strict=True,
-            )
-            for i, key, kind_of, owner, ref, when in fields:
-                if kind_of == OPEN:
-                    self._open[key] = [owner, ref >> 1, ref & 1, when, int(cur[i]), -1, i]
-                elif kind_of == HIT:
-                    probe = self._open.get(key)
-                    if probe is not None:
-                        probe[_LAST] = when
-                else:
-                    probe = self._open.pop(key, None)
-                    if probe is not None and probe[_BACKWARD] and probe[_LAST] >= 0:
-                        self._spans.append((probe[_BEGIN], probe[_LAST], probe[_DEPTH], owner))
+            self._follow(rows[at, REF], rows[at, TIME], number, op, module, numbers, places, cur)
         if self._open:
             probes = list(self._open.values())
             starts = np.array([p[_AT] for p in probes], np.int64)
@@ -318,6 +299,74 @@ class Tally:
             for probe, end in zip(probes, ends.tolist(), strict=True):
                 probe[_HIGH] = max(probe[_HIGH], end)
                 probe[_AT] = 0
+
+    def _follow(
+        self,
+        ref: np.ndarray,
+        when: np.ndarray,
+        number: np.ndarray,
+        op: np.ndarray,
+        module: np.ndarray,
+        numbers: np.ndarray,
+        places: np.ndarray,
+        cur: np.ndarray,
+    ) -> None:
+        """Keep the probes still open, and the spans of the backward passes that closed, from
+        the probe rows of a chunk (`numbers`, `places`: those that opened here, sorted)."""
+        opened = op == OPEN
+        order = np.argsort(number[opened], kind="stable")
+        began, refs = when[opened][order], ref[opened][order]
+        hits = op == HIT
+        # The last hit of each probe here (rows are in time order).
+        hit, first = np.unique(number[hits][::-1], return_index=True)
+        last = when[hits][::-1][first]
+        closing = op == CLOSE
+        closed = number[closing]
+
+        def lookup(keys: np.ndarray, table: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+            j = np.minimum(np.searchsorted(table, keys), max(len(table) - 1, 0))
+            return j, (table[j] == keys) if len(table) else np.zeros(len(keys), bool)
+
+        ended = closing & ((ref & 1) == 1)
+        if ended.any():
+            keys = number[ended]
+            j, here = lookup(keys, numbers)
+            begin = np.where(here, began[j] if len(began) else 0, -1)
+            k, seen = lookup(keys, hit)
+            final = np.where(seen, last[k] if len(last) else -1, -1)
+            for i in np.flatnonzero(~here).tolist():  # opened before these rows
+                probe = self._open.get(int(keys[i]))
+                if probe is not None:
+                    begin[i] = probe[_BEGIN]
+                    if final[i] < 0:
+                        final[i] = probe[_LAST]
+            done = (begin >= 0) & (final >= 0)
+            self._spans.extend(
+                zip(
+                    begin[done].tolist(),
+                    final[done].tolist(),
+                    (ref[ended][done] >> 1).tolist(),
+                    module[ended][done].tolist(),
+                    strict=True,
+                )
+            )
+        gone = set(closed.tolist())
+        hit_at = dict(zip(hit.tolist(), last.tolist(), strict=True))
+        for key in [k for k in self._open if k in gone]:
+            del self._open[key]
+        for key, probe in self._open.items():
+            probe[_LAST] = hit_at.get(key, probe[_LAST])
+        still = ~np.isin(numbers, closed)
+        modules = module[opened][order]
+        for key, owner, r, t, place in zip(
+            numbers[still].tolist(),
+            modules[still].tolist(),
+            refs[still].tolist(),
+            began[still].tolist(),
+            places[still].tolist(),
+            strict=True,
+        ):
+            self._open[key] = [owner, r >> 1, r & 1, t, int(cur[place]), hit_at.get(key, -1), place]
 
     def _name_engine(self) -> None:
         """Name the engine's allocations whose backward passes are all over: after the

@@ -43,8 +43,9 @@ WINDOW = 1 << 16
 """How many of the latest allocations and frees a tally keeps as they were."""
 FINE = 1024
 """Intervals the timeline keeps; past them, neighbours merge and each doubles."""
-FIRST_WIDTH = 1 << 20
-"""Nanoseconds of a timeline interval at first (about a millisecond)."""
+FIRST_WIDTH = 1 << 10
+"""Nanoseconds of a timeline interval at first (about a microsecond: a short run keeps
+its detail; each halving of the resolution costs one pass over :data:`FINE` intervals)."""
 
 _NEVER = np.iinfo(np.int64).max
 _FIELDS = ("key", "born", "ptr", "size", "site", "time", "cat", "name", "owner")

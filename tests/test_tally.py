@@ -149,9 +149,9 @@ def brute_force(rows: np.ndarray) -> dict[str, object]:
     }
 
 
-def tallied(rows: np.ndarray, chunks: list[int]) -> Tally:
+def tallied(rows: np.ndarray, chunks: list[int], engine: set[int] | None = None) -> Tally:
     tally = Tally(BASE, 0)
-    tally.engine = {7}
+    tally.engine = {7} if engine is None else engine
     start = 0
     for size in chunks:
         tally.feed(rows[start : start + size])
@@ -219,18 +219,19 @@ def test_what_a_tally_keeps_does_not_grow_with_the_events() -> None:
     """Ten times the steps: no more records than addresses in use (62), at most a few spans
     and pending names, and a window of raw rows that stops at its size."""
 
-    def kept(steps: int) -> tuple[int, int, int]:
-        tally = tallied(random_stream(0, steps), [1000] * (steps // 100))
+    def kept(steps: int, engine: set[int]) -> tuple[int, int, int]:
+        tally = tallied(random_stream(0, steps), [1000] * (steps // 100), engine)
         return (
             len(tally.live) + len(tally.at_peak),
             len(tally._spans) + len(tally._pending),
             len(tally.recent_rows()),
         )
 
-    small, large = kept(20_000), kept(200_000)
-    for records, waiting, _ in (small, large):
-        assert records <= 2 * 62 and waiting <= 4
-    assert small[2] < large[2] == WINDOW
+    for engine in ({7}, set()):  # with the engine's sites known, and without sites
+        small, large = kept(20_000, engine), kept(200_000, engine)
+        for records, waiting, _ in (small, large):
+            assert records <= 2 * 62 and waiting <= 4
+        assert small[2] < large[2] == WINDOW
 
 
 def test_a_recording_holds_no_more_for_a_million_allocations_than_for_a_quarter() -> None:

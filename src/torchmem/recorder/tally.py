@@ -374,6 +374,7 @@ class Tally:
         innermost module whose backward pass ran then. Those already dead and not alive
         at the peak need no name."""
         if not len(self._pending):
+            self._spans = []
             return
         keep = self.live.find(self._pending)[1] | self.at_peak.find(self._pending)[1]
         pending, times = self._pending[keep], self._pending_time[keep]
@@ -392,9 +393,10 @@ class Tally:
                 at, found = table.find(keys)
                 table.owner[at[found]] = owners[found]
         self._pending, self._pending_time = pending[~ready], times[~ready]
-        if not opened and not len(self._pending):
+        # A closed pass ended before anything still to come: only what waits needs it.
+        if not len(self._pending):
             self._spans = []
-        elif len(self._pending):
+        else:
             oldest = int(self._pending_time.min())
             self._spans = [s for s in self._spans if s[1] >= oldest]
 

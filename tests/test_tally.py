@@ -149,8 +149,11 @@ def brute_force(rows: np.ndarray) -> dict[str, object]:
     }
 
 
-def tallied(rows: np.ndarray, chunks: list[int], engine: set[int] | None = None) -> Tally:
-    tally = Tally(BASE, 0)
+def tallied(
+    rows: np.ndarray, chunks: list[int], engine: set[int] | None = None, base: int = BASE
+) -> Tally:
+    """`rows` fed in chunks of these sizes (the rest at once); site 7 is the engine's."""
+    tally = Tally(base, 0)
     tally.engine = {7} if engine is None else engine
     start = 0
     for size in chunks:
@@ -200,14 +203,7 @@ def test_engine_allocations_are_named_after_the_innermost_backward_pass() -> Non
         np.int64,
     )
     for chunks in ([], [1], [3, 1], [1, 1, 1, 1, 1, 1, 1, 1]):
-        tally = Tally(0, 0)
-        tally.engine = {7}
-        start = 0
-        for size in chunks:
-            tally.feed(rows[start : start + size])
-            start += size
-        tally.feed(rows[start:])
-        tally.finish()
+        tally = tallied(rows, chunks, base=0)
         assert dict(zip(tally.live.ptr.tolist(), tally.live.owner.tolist(), strict=True)) == {
             500: 200,
             600: 100,

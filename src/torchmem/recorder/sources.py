@@ -209,20 +209,23 @@ class CpuStream:
 
     def close(self, tally: Tally) -> dict[int, SiteKey]:
         """End the recording of `tally`, tallied to its end; the sites it may name."""
-        with self._lock:
-            last = self.library.record_stop()
-            try:
-                self._drain()
-            finally:  # the log is left as it should be, whatever happened
-                self.tallies.remove(tally)
-                sites = dict(self.sites)
-                if last:
-                    self._halt.set()
-        if last:
-            if self._thread is not None:
-                self._thread.join()
-            self._thread = None
-            self.library.record_clear()
+        last = False
+        try:
+            with self._lock:
+                last = self.library.record_stop()
+                try:
+                    self._drain()
+                finally:
+                    self.tallies.remove(tally)
+                    sites = dict(self.sites)
+                    if last:
+                        self._halt.set()
+        finally:  # the log and its thread are left as they should be, whatever happened
+            if last:
+                if self._thread is not None:
+                    self._thread.join()
+                self._thread = None
+                self.library.record_clear()
         tally.finish()
         return sites
 

@@ -435,3 +435,32 @@ def test_dispatch_is_chosen_without_trying_the_compiler(monkeypatch, isolated_me
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert meter("cpu").backend == "dispatch"
+
+
+def test_the_hooks_log_functions_are_python_functions_that_refuse_bad_arguments(cpu):
+    from torchmem.meters import native
+
+    library = native.load()
+    assert library.records_sites  # built with Python's headers, as on every test machine
+    assert type(library.mark).__name__ == "builtin_function_or_method"
+    with pytest.raises(TypeError, match="takes 5 arguments"):
+        library.note(1, 2, 3)
+    with pytest.raises(TypeError, match="takes 2 arguments"):
+        library.mark(1)
+    with pytest.raises(OverflowError):
+        library.note(1 << 64, 0, 0, 0, 0)
+    with pytest.raises(TypeError):
+        library.mark("not an address", 0)
+    first = library.record_start(sites=False)
+    try:
+        library.note(3, 11, 22, 33, 44)
+        tensor = torch.empty(1024)
+        seq = library.mark(tensor.data_ptr(), 2)
+        assert seq >= 0 and library.mark(tensor.data_ptr(), 2) == -1
+        rows = library.take(1 << 10)
+    finally:
+        library.record_stop()
+        library.record_clear()
+    assert first == 0
+    assert rows[0, :5].tolist()[1:] == [11, 22, 33, 44] and rows[0, 5] == 3
+    assert rows[1, 1] == tensor.data_ptr() and rows[1, 2] == 4096

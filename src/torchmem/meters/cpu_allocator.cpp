@@ -686,6 +686,54 @@ PyObject* torchmem_record_site(int64_t i) {
 }
 #endif
 
+#ifdef TORCHMEM_PYTHON
+// torchmem_record_mark and torchmem_record_note as Python functions (vectorcall): the
+// hooks call them a few hundred times a training step, and a ctypes call costs ten times
+// as much. Argument errors are Python's TypeError/OverflowError, never a C++ exception.
+static PyObject* fast_mark(PyObject*, PyObject* const* args, Py_ssize_t n) {
+  if (n != 2) {
+    PyErr_SetString(PyExc_TypeError, "mark(ptr, category) takes 2 arguments");
+    return nullptr;
+  }
+  void* ptr = PyLong_AsVoidPtr(args[0]);
+  const long long category = PyLong_AsLongLong(args[1]);
+  if (PyErr_Occurred()) {
+    return nullptr;
+  }
+  return PyLong_FromLongLong(torchmem_record_mark(ptr, category));
+}
+
+static PyObject* fast_note(PyObject*, PyObject* const* args, Py_ssize_t n) {
+  if (n != 5) {
+    PyErr_SetString(PyExc_TypeError, "note(kind, ptr, size, site, ref) takes 5 arguments");
+    return nullptr;
+  }
+  int64_t values[5];
+  for (int k = 0; k < 5; ++k) {
+    values[k] = PyLong_AsLongLong(args[k]);
+  }
+  if (PyErr_Occurred()) {
+    return nullptr;
+  }
+  torchmem_record_note(values[0], values[1], values[2], values[3], values[4]);
+  Py_RETURN_NONE;
+}
+
+static PyMethodDef fast_functions[] = {
+    {"mark", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(fast_mark)),
+     METH_FASTCALL, "mark(ptr, category)"},
+    {"note", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(fast_note)),
+     METH_FASTCALL, "note(kind, ptr, size, site, ref)"},
+};
+
+// (mark, note) as new Python function objects. Call with the GIL held.
+PyObject* torchmem_record_functions() {
+  return Py_BuildValue(
+      "(NN)", PyCFunction_New(&fast_functions[0], nullptr),
+      PyCFunction_New(&fast_functions[1], nullptr));
+}
+#endif
+
 // Frees the log and the sites. Call with the GIL held, after torchmem_record_stop.
 void torchmem_record_clear() {
   std::lock_guard<std::mutex> lock(log_mutex);

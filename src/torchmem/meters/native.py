@@ -19,6 +19,7 @@ import sys
 import sysconfig
 import tempfile
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from types import CodeType
 
@@ -67,18 +68,19 @@ class CpuAllocatorLibrary:
         self._py.torchmem_record_nest.restype = ctypes.c_int64
         self._py.torchmem_record_take.restype = ctypes.c_int64
         self._py.torchmem_record_take.argtypes = [ctypes.c_void_p, ctypes.c_int64]
-        # Called from the hooks, many times a step: plain functions, ctypes' cheapest call.
+        # Called from the hooks, many times a step: Python functions where the library has
+        # Python's headers, else plain ctypes functions (ten times the cost of a call).
         mark = self._py.torchmem_record_mark
         mark.restype = ctypes.c_int64
         mark.argtypes = [ctypes.c_void_p, ctypes.c_int64]
-        self.mark = mark
+        self.mark: Callable[[int, int], int] = mark
         """``mark(ptr, category)``: the sequence number of the allocation at `ptr` where
         this lowers its category (then :meth:`note` the mark), -1 where it does not, -2
         for a storage the log has not seen (made before it started: :attr:`adopt_row`)."""
         note = self._py.torchmem_record_note
         note.restype = None
         note.argtypes = [ctypes.c_int64] * 5
-        self.note = note
+        self.note: Callable[[int, int, int, int, int], None] = note
         """``note(kind, ptr, bytes, site, ref)``: append a row (a mark, a probe) to the log."""
         adopt = self._py.torchmem_record_adopt
         adopt.restype = None
@@ -96,6 +98,8 @@ class CpuAllocatorLibrary:
         if self.records_sites:
             self._py.torchmem_record_site.restype = ctypes.py_object
             self._py.torchmem_record_site.argtypes = [ctypes.c_int64]
+            self._py.torchmem_record_functions.restype = ctypes.py_object
+            self.mark, self.note = self._py.torchmem_record_functions()
         self.reset_peak = lib.torchmem_reset_peak
         """Restart the peak counter at the current bytes."""
         self.counters = (ctypes.c_int64 * len(COUNTERS)).from_address(lib.torchmem_counters())

@@ -1,16 +1,20 @@
-"""``torchmem run`` on long training runs: the small transformer language model of
-``examples/train_lm.py`` (2 blocks, d_model 32, fused AdamW, batch 4 x 16 tokens; a few
-milliseconds a step on one CPU core) for 2,000 and for 20,000 steps on the CPU. Each
-contender is a whole command in a new process (Python's start and ``import torch``
-included), alternating, median of the rounds: plain ``python``, ``torchmem run -q``
-with allocation sites (the default) and with ``--no-sites``. For each: the wall time and
-its ratio to plain; the peak RSS and how much it is over plain's (a recording that keeps
-every event grows with the run); and how long after the script's last line the process
-ended (for torchmem, the recording's stop and its report; for plain, Python's
-shutdown). One thread (``OMP_NUM_THREADS=1``), GPUs hidden. A contender still running at
-5x plain's time (at least 60 s) is stopped and shown as such (">": lower bounds).
-Targets, at both lengths, sites on and off: at most 1.2x plain's time and at most
-64 MiB more RSS."""
+"""``torchmem run`` on long training runs of ``examples/train_lm.py``, a transformer
+language model with fused AdamW, on the CPU: at its default size (2 blocks, d_model 32,
+batch 4 x 16 tokens: a few milliseconds a step on one CPU core, where per-step overhead
+shows most) for 2,000 and for 20,000 steps, and at nanoGPT's CPU size (4 blocks of 4
+heads, d_model 128, batch 12 x 64 tokens: the configuration nanoGPT's README gives for a
+CPU) for 2,000 steps. Each contender is a whole command in a new process (Python's start
+and ``import torch`` included), alternating, median of the rounds: plain ``python``;
+``python`` with PyTorch's global module hooks and saved-tensor hooks installed, doing
+nothing (the floor of any tool that watches modules and activations through PyTorch's
+hooks); ``torchmem run -q`` with allocation sites (the default) and with
+``--no-sites``. For each: the wall time and its ratio to plain; the peak RSS and how much
+it is over plain's (a recording that keeps every event grows with the run); and how long
+after the script's last line the process ended (for torchmem, the recording's stop and
+its report; for plain, Python's shutdown). One thread (``OMP_NUM_THREADS=1``), GPUs
+hidden. A contender still running at 5x plain's time (at least 60 s) is stopped and shown
+as such (">": lower bounds). Targets, for each case, sites on and off: at most 1.2x
+plain's time and at most 64 MiB more RSS."""
 
 from __future__ import annotations
 
@@ -23,8 +27,11 @@ from benchmarks import processes
 from benchmarks.processes import Run
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "train_lm.py"
-STEPS = (2_000, 20_000)
-"""The runs' lengths at full scale."""
+NANOGPT_CPU = ("--d-model", "128", "--context", "64", "--batch-size", "12", "--layers", "4")
+"""nanoGPT's CPU configuration (its README's ``--n_embd=128 --block_size=64
+--batch_size=12 --n_layer=4 --n_head=4``) as the example's options."""
+CASES: tuple[tuple[int, tuple[str, ...]], ...] = ((2_000, ()), (20_000, ()), (2_000, NANOGPT_CPU))
+"""The runs at full scale: steps, and the example's options beyond ``--steps``."""
 RATIO = 1.2
 """Highest ratio to plain python either torchmem contender may reach."""
 RSS_MIB = 64
@@ -34,12 +41,26 @@ import runpy
 import sys
 import time
 
+if sys.argv[1] == "--hooks":
+    import torch
+    from torch.autograd.graph import saved_tensors_hooks
+    from torch.nn.modules import module
+
+    def nothing(*args):
+        return None
+
+    module.register_module_forward_pre_hook(nothing)
+    module.register_module_forward_hook(nothing, always_call=True)
+    saved_tensors_hooks(torch.Tensor.detach, lambda tensor: tensor).__enter__()
+    del sys.argv[1]
 sys.argv[0] = {str(EXAMPLE)!r}
 runpy.run_path(sys.argv[0], run_name="__main__")
 print({processes.MARK!r}, time.monotonic(), flush=True)
 """
-"""Runs the example as ``__main__``, then prints the time of its last line."""
-CONTENDERS = ("python", "torchmem run --no-sites", "torchmem run")
+"""Runs the example as ``__main__`` (after installing hooks that do nothing, with a first
+argument ``--hooks``), then prints the time of its last line."""
+HOOKS = "python, PyTorch's hooks doing nothing"
+CONTENDERS = ("python", HOOKS, "torchmem run --no-sites", "torchmem run")
 
 
 def environ() -> dict[str, str]:
@@ -47,35 +68,42 @@ def environ() -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
 
 
-def commands(wrapper: str, steps: int) -> dict[str, list[str]]:
+def commands(wrapper: str, steps: int, options: tuple[str, ...]) -> dict[str, list[str]]:
     """Each contender's command line, running `wrapper` (:data:`WRAPPER`)."""
-    script = [wrapper, "--steps", str(steps), "--device", "cpu"]
+    script = [wrapper, "--steps", str(steps), *options, "--device", "cpu"]
     run = [sys.executable, "-m", "torchmem", "run", "-q"]
     return dict(
         zip(
             CONTENDERS,
-            ([sys.executable, *script], [*run, "--no-sites", *script], [*run, *script]),
+            (
+                [sys.executable, *script],
+                [sys.executable, wrapper, "--hooks", *script[1:]],
+                [*run, "--no-sites", *script],
+                [*run, *script],
+            ),
             strict=True,
         )
     )
 
 
 def measure(repeat: int, scale: float) -> list[Run]:
-    """A row per length and contender: medians of `repeat` rounds, contenders
-    alternating; the lengths are :data:`STEPS` times `scale`."""
+    """A row per case and contender: medians of `repeat` rounds, contenders alternating;
+    the lengths are those of :data:`CASES` times `scale`."""
     found: list[Run] = []
     with tempfile.TemporaryDirectory() as folder:
         wrapper = Path(folder, "train_lm_timed.py")
         wrapper.write_text(WRAPPER)
-        for full in STEPS:
+        for full, options in CASES:
             steps = max(1, round(full * scale))
-            case = f"examples/train_lm.py --steps {steps}"
-            found += processes.measure(case, commands(str(wrapper), steps), repeat, environ())
+            case = " ".join(("examples/train_lm.py", "--steps", str(steps), *options))
+            found += processes.measure(
+                case, commands(str(wrapper), steps, options), repeat, environ()
+            )
     return found
 
 
 def verdicts(runs: list[Run]) -> str:
-    """A line per length and torchmem contender: time ratio and RSS over plain, against
-    the targets."""
-    targets = {name: RATIO for name in CONTENDERS[1:]}
-    return processes.verdicts(runs, targets, RSS_MIB)
+    """A line per case and contender but plain: time ratio and RSS over plain, against
+    the targets (the hooks that do nothing have none for time: they are the floor)."""
+    targets = {name: RATIO for name in CONTENDERS[2:]}
+    return processes.verdicts(runs, {HOOKS: float("inf"), **targets}, RSS_MIB)

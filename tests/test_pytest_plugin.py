@@ -625,3 +625,26 @@ def test_with_pytest_memray_loaded_the_markers_are_its_and_a_warning_says_so(
         ["*PytestWarning: pytest-memray is loaded and acts on limit_memory and limit_leaks too*"]
     )
     result.stdout.no_fnmatch_line("Test was limited to 1.00M*")  # torchmem's wording
+
+
+def test_torch_func_runs_in_a_limited_test(
+    pytester: pytest.Pytester, no_gpu_anywhere: None
+) -> None:
+    """torch.func refuses to run while saved-tensor hooks are installed: ours step aside."""
+    pytester.makepyfile(
+        test_func="""
+        import pytest
+        import torch
+
+        @pytest.mark.limit_memory("64 MB", device="cpu")
+        def test_per_sample_gradients():
+            def loss(w, x):
+                return ((x @ w).tanh() ** 2).sum()
+
+            w, x = torch.randn(256, 256), torch.randn(64, 1, 256)
+            grads = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0))(w, x)
+            assert grads.shape == (64, 256, 256)
+        """
+    )
+    result = run(pytester, "--torchmem")
+    result.assert_outcomes(passed=1)

@@ -419,3 +419,76 @@ def test_autograd_patterns_keep_working_and_no_hook_stays() -> None:
     assert all(m.backward_peak_bytes is not None for m in modules)
     assert not x._backward_hooks
     assert all(not p._backward_hooks for p in model.parameters())
+
+
+def saved_hooks_on_this_thread() -> list[object]:
+    """The pack hooks on this thread's saved-tensor hook stack, top first (the stack is
+    read by popping, then put back)."""
+    found = []
+    while (top := torch._C._autograd._top_saved_tensors_default_hooks(True)) is not None:
+        torch._C._autograd._pop_saved_tensors_default_hooks()
+        found.append(top)
+    for pack, unpack in reversed(found):
+        torch._C._autograd._push_saved_tensors_default_hooks(pack, unpack)
+    return [pack for pack, _ in found]
+
+
+def test_torch_func_transforms_run_and_ordinary_activations_are_still_seen() -> None:
+    """torch.func refuses to run while saved-tensor hooks are installed: ours step aside."""
+    from torch.func import grad, hessian, jacrev, vmap
+
+    def loss(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return ((x @ w).tanh() ** 2).sum()
+
+    torch.manual_seed(0)
+    w, x = torch.randn(8, 4), torch.randn(5, 8)
+    plain = (grad(loss)(w, x), vmap(grad(loss), in_dims=(None, 0))(w, x.unsqueeze(1)))
+    plain += (jacrev(loss)(w, x), hessian(lambda w: loss(w, x))(w))
+    disable = torch.autograd.graph.disable_saved_tensors_hooks
+    model = nn.Linear(256, 256, bias=False)
+    with record() as rec:
+        measured = (grad(loss)(w, x), vmap(grad(loss), in_dims=(None, 0))(w, x.unsqueeze(1)))
+        measured += (jacrev(loss)(w, x), hessian(lambda w: loss(w, x))(w))
+        inputs = torch.randn(64, 256, requires_grad=True)
+        out = model(inputs).relu()
+        seen = rec._watcher.names.entries[:]
+        out.sum().backward()
+    assert all(torch.equal(a, b) for a, b in zip(plain, measured, strict=True))
+    # relu's output (64 x 256 float32), saved by autograd after the transforms ran.
+    assert (None, (64, 256), "torch.float32") in seen
+    assert torch.autograd.graph.disable_saved_tensors_hooks is disable
+    assert saved_hooks_on_this_thread() == []
+
+
+def test_a_recording_started_inside_a_torch_func_transform_runs() -> None:
+    from torch.func import grad
+
+    def loss(w: torch.Tensor) -> torch.Tensor:
+        with record() as rec:
+            value = (w.sin() * 2).sum()
+        assert rec.report().devices["cpu"].peak_bytes >= 0
+        return value
+
+    assert torch.equal(grad(loss)(torch.zeros(3)), torch.full((3,), 2.0))
+    assert saved_hooks_on_this_thread() == []
+
+
+def test_the_users_saved_tensor_hooks_stay_when_scopes_are_not_nested() -> None:
+    """A user's saved_tensors_hooks scope entered inside a recording and left after it:
+    the recording's end takes off its own hooks, not the user's."""
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        packed.append(tensor.shape)
+        return tensor
+
+    packed: list[torch.Size] = []
+    users = torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor)
+    rec = record()
+    rec.__enter__()
+    users.__enter__()
+    rec.__exit__(None, None, None)
+    assert saved_hooks_on_this_thread() == [pack]
+    (torch.ones(3, requires_grad=True) * torch.ones(3)).sum()
+    assert packed == [torch.Size([3])]  # mul saves the factor that needs no gradient
+    users.__exit__(None, None, None)
+    assert saved_hooks_on_this_thread() == []

@@ -17,16 +17,19 @@ for the others. Nothing the watcher keeps grows with the run's length.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
 import time
 import types
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.autograd.graph import register_multi_grad_hook, saved_tensors_hooks
+import torch.autograd.graph
+from torch._C import _autograd
+from torch.autograd.graph import register_multi_grad_hook
 from torch.optim.optimizer import (
     register_optimizer_step_post_hook,
     register_optimizer_step_pre_hook,
@@ -123,7 +126,8 @@ class Watcher:
         self._local = threading.local()
         self._handles: list[RemovableHandle] = []
         self._pending: dict[int, list[_Backward]] = {}
-        self._saved: saved_tensors_hooks | None = None
+        self._saved = False
+        """Whether this watcher's saved-tensor hooks are on this thread's stack."""
         self._roots: set[int] = set()
         self._known: dict[int, torch.nn.Module] = {}  # modules seen, or alive at the end
         self._params: dict[int, list[torch.nn.Parameter]] = {}
@@ -177,8 +181,12 @@ class Watcher:
             register_optimizer_step_pre_hook(step_pre),
             register_optimizer_step_post_hook(step),
         ]
-        self._saved = saved_tensors_hooks(*self._saved_hooks)
-        self._saved.__enter__()
+        # Not inside a region that forbids saved-tensor hooks (a torch.func transform):
+        # activations go unseen there, as in every region where ours step aside.
+        if _autograd._saved_tensors_hooks_is_enabled():  # type: ignore[attr-defined]
+            _autograd._push_saved_tensors_default_hooks(*self._saved_hooks)
+            self._saved = True
+            _step_aside.watch(self._saved_hooks[0])
 
     def stop(self, held: Iterable[object] = ()) -> None:
         """Remove every hook, then mark what the modules and optimizers hold: those seen,
@@ -187,9 +195,10 @@ class Watcher:
         the outermost of those modules name their parameters, as those that ran do. No walk
         over every object of the process: a model that never ran and that no variable
         holds is not looked for."""
-        if self._saved is not None:
-            self._saved.__exit__(None, None, None)
-            self._saved = None
+        if self._saved:
+            _step_aside.forget(self._saved_hooks[0])
+            _remove_saved_hooks(self._saved_hooks[0])
+            self._saved = False
         for handle in self._handles:
             handle.remove()
         for pending in self._pending.values():
@@ -392,6 +401,69 @@ class Watcher:
         for param in backward.params:
             self._waiting[id(param)].discard(backward)
         backward.close()
+
+
+class _StepAside:
+    """Our saved-tensor hooks step aside where PyTorch forbids such hooks: torch.func's
+    transforms (``grad``, ``vjp``, ``jacrev``, ``hessian``) enter
+    :func:`torch.autograd.graph.disable_saved_tensors_hooks`, which raises while any are
+    installed. While a watcher records, that function is replaced by one that lifts this
+    thread's hooks of ours off the top of its stack, runs PyTorch's, and puts them back;
+    the last watcher to stop puts PyTorch's function back. The activations such a region
+    saves are not marked (they count as other memory)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._packs: set[Callable[..., Any]] = set()
+        self._original: Callable[[str], contextlib.AbstractContextManager[None]] | None = None
+
+    def watch(self, pack: Callable[..., Any]) -> None:
+        with self._lock:
+            if not self._packs:
+                self._original = torch.autograd.graph.disable_saved_tensors_hooks
+                torch.autograd.graph.disable_saved_tensors_hooks = self._disable
+            self._packs.add(pack)
+
+    def forget(self, pack: Callable[..., Any]) -> None:
+        with self._lock:
+            self._packs.discard(pack)
+            if not self._packs and self._original is not None:
+                torch.autograd.graph.disable_saved_tensors_hooks = self._original  # type: ignore[assignment]
+                self._original = None
+
+    @contextlib.contextmanager
+    def _disable(self, error_message: str) -> Generator[None, None, None]:
+        lifted = []
+        while (top := _autograd._top_saved_tensors_default_hooks(True)) and top[0] in self._packs:
+            _autograd._pop_saved_tensors_default_hooks()
+            lifted.append(top)
+        original = self._original
+        try:
+            if original is None:  # the last watcher stopped in between (another thread)
+                yield
+            else:
+                with original(error_message):
+                    yield
+        finally:
+            for pack, unpack in reversed(lifted):
+                _autograd._push_saved_tensors_default_hooks(pack, unpack)
+
+
+_step_aside = _StepAside()
+
+
+def _remove_saved_hooks(pack: Callable[..., Any]) -> None:
+    """Take the saved-tensor hooks whose pack hook is `pack` off this thread's stack,
+    wherever they are on it: hooks the user pushed above ours (a ``saved_tensors_hooks``
+    scope entered inside the recording and left after it) stay, in their order."""
+    above = []
+    while (top := _autograd._top_saved_tensors_default_hooks(True)) is not None:
+        _autograd._pop_saved_tensors_default_hooks()
+        if top[0] is pack:
+            break
+        above.append(top)
+    for found_pack, unpack in reversed(above):
+        _autograd._push_saved_tensors_default_hooks(found_pack, unpack)
 
 
 def _opaque(hook: Callable[..., Any]) -> Callable[..., Any]:

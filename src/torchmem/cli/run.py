@@ -89,6 +89,10 @@ class RunCommand(Command):
                 raise CommandError(f"can't open file {target!r}: no such file", 2)
         else:
             raise CommandError("nothing to run: give a SCRIPT or -m MODULE", 2)
+        # The report's files go where torchmem started, wherever the script moves to.
+        for option in ("json", "html", "snapshot"):
+            if getattr(args, option):
+                setattr(args, option, os.path.abspath(getattr(args, option)))
         try:
             recording = record(args.device, sites=args.sites)
             launch = Launch.from_environ()
@@ -183,11 +187,15 @@ def _execute(
 
 
 def _run_script(path: str, namespace: dict[str, Any]) -> None:
-    """Execute the file at `path` as the ``__main__`` module, in `namespace`."""
+    """Execute the file at `path` as the ``__main__`` module, in `namespace`. Its
+    ``__file__`` is absolute, as ``python`` gives it, so that it stays valid after
+    ``os.chdir``; its code keeps `path` as given, the name tracebacks and the report show."""
     source = Path(path).read_bytes()
     code = compile(source, path, "exec", dont_inherit=True)
     main = ModuleType("__main__")
-    main.__dict__.update(__file__=path, __builtins__=__builtins__, __cached__=None)
+    # Joined, not normalized: python's own absolute path ("/home/me/./train.py").
+    where = os.path.join(os.getcwd(), path)
+    main.__dict__.update(__file__=where, __builtins__=__builtins__, __cached__=None)
     saved = sys.modules.get("__main__")
     sys.modules["__main__"] = main
     try:

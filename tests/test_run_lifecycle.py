@@ -1,10 +1,12 @@
 """``torchmem run`` leaves a program's life as ``python`` gives it: ``__file__`` stays
-valid after ``os.chdir``, and the report's files go where torchmem started. Each script
-runs under plain ``python`` too, in a subprocess, and the two must agree."""
+valid after ``os.chdir``, the report's files go where torchmem started, and a forked
+child prints no report of its own. Each script runs under plain ``python`` too, in a
+subprocess, and the two must agree."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -12,12 +14,15 @@ from pathlib import Path
 
 import pytest
 
+from standins import MiB
 from torchmem.meters import meter
 
 counting = pytest.mark.skipif(
     getattr(meter("cpu"), "backend", "") != "allocator",
     reason="needs the counting CPU allocator (a C++ compiler)",
 )
+forks = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+TITLE = "torchmem: where the memory went"
 
 
 def python(*words: str, cwd: Path) -> subprocess.CompletedProcess[str]:
@@ -74,3 +79,31 @@ def test_a_relative_snapshot_path_is_where_torchmem_started(tmp_path: Path) -> N
     assert done.returncode == 0, done.stderr
     assert (tmp_path / "s.pickle").is_file()
     assert list((tmp_path / "elsewhere").iterdir()) == []
+
+
+@counting
+@forks
+def test_a_forked_child_that_outlives_its_parent_prints_no_report(tmp_path: Path) -> None:
+    (tmp_path / "forks.py").write_text(
+        textwrap.dedent(
+            """\
+            import os
+            import time
+
+            import torch
+
+            block = torch.zeros(16, 1024, 1024)  # 64 MiB, in the parent's recording
+            del block
+            if os.fork() == 0:
+                time.sleep(1)  # the parent has reported by now
+            print("end", flush=True)
+            """
+        )
+    )
+    done = torchmem_run("--json", "r.json", "forks.py", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "end\nend\n"
+    assert done.stderr.count(TITLE) == 1, done.stderr
+    assert "Traceback" not in done.stderr
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["devices"]["cpu"]["peak_bytes"] >= 64 * MiB

@@ -105,11 +105,19 @@ class RunCommand(Command):
                 where = f"{launch.address}:{launch.port}"
                 raise CommandError(f"cannot reach the launcher's store at {where}: {exc}") from None
         namespace: dict[str, Any] = {}
+        pid = os.getpid()
         recording.start()
         try:
             code, error = _execute(target, argv, is_module, namespace)
-        finally:
+        except BaseException:
             recording.stop(namespace)
+            raise
+        if os.getpid() != pid:
+            # A child the script forked: the report is its parent's (the child's meters
+            # stopped counting at the fork); it neither prints a second one nor overwrites
+            # the parent's files.
+            return code
+        recording.stop(namespace)
         report = dataclasses.replace(
             recording.report(args.top), exit_code=code, command=tuple(argv)
         )

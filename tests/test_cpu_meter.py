@@ -464,3 +464,19 @@ def test_the_hooks_log_functions_are_python_functions_that_refuse_bad_arguments(
     assert first == 0
     assert rows[0, :5].tolist()[1:] == [11, 22, 33, 44] and rows[0, 5] == 3
     assert rows[1, 1] == tensor.data_ptr() and rows[1, 2] == 4096
+
+
+@pytest.mark.slow
+def test_the_example_runs_every_time_under_the_fallback_without_a_compiler(tmp_path):
+    """A walk of Python's objects from torchmem's sampling thread broke a tuple the script
+    was building (``SystemError: bad argument to internal function``, 6 runs in 10)."""
+    env = {**os.environ, "CXX": str(tmp_path / "no-such-compiler")}
+    env["TORCHMEM_CACHE_DIR"] = str(tmp_path / "cache")
+    example = os.path.join(os.path.dirname(__file__), "..", "examples", "train.py")
+    command = [sys.executable, "-m", "torchmem", "run", example, "--steps", "2"]
+    for _ in range(5):
+        done = subprocess.run(command, capture_output=True, text=True, env=env)
+        assert done.returncode == 0, done.stderr
+        assert "fallback meter" in done.stderr  # the report
+        (cpu,) = [line.split() for line in done.stderr.splitlines() if line.startswith("cpu ")]
+        assert (cpu[2], cpu[4]) == ("37.21M", "0.00B")  # as the counting allocator reads

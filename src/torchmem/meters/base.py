@@ -34,6 +34,28 @@ GONE = -1
 (a child made by fork): no thread ident is negative."""
 
 
+_background = threading.local()
+
+
+def background_thread(target: Callable[..., None], name: str, *args: object) -> threading.Thread:
+    """A daemon thread of torchmem's own (named `name`, unstarted) that runs
+    ``target(*args)``: readings from it are passive (see :func:`in_background`)."""
+
+    def run() -> None:
+        _background.active = True
+        target(*args)
+
+    return threading.Thread(target=run, name=name, daemon=True)
+
+
+def in_background() -> bool:
+    """Whether this is one of torchmem's own threads (:func:`background_thread`). A meter
+    read there must not walk Python's objects: the user's threads may be half-way through
+    building one (a tuple that ``tuple(generator)`` is filling), and a reference held
+    from here breaks it (``SystemError: bad argument to internal function``)."""
+    return getattr(_background, "active", False)
+
+
 class WindowRef(weakref.ref["Window"]):
     """A meter's weak reference to one of its open windows, with the thread that opened it."""
 
@@ -377,11 +399,8 @@ class SampledMeter(Meter):
     def _on_open(self, ref: WindowRef) -> None:
         if self._sampler is None:
             self._stop_sampling = threading.Event()
-            self._sampler = threading.Thread(
-                target=self._run,
-                args=(self._stop_sampling,),
-                name=f"torchmem-{self.device}",
-                daemon=True,
+            self._sampler = background_thread(
+                self._run, f"torchmem-{self.device}", self._stop_sampling
             )
             self._sampler.start()
 

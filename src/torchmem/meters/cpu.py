@@ -32,7 +32,7 @@ from torchmem._compat import storage_key
 from torchmem._objects import of_types, subclasses
 from torchmem.errors import TorchmemError, TorchmemWarning
 from torchmem.meters import native
-from torchmem.meters.base import Meter, Window, WindowRef
+from torchmem.meters.base import Meter, Window, WindowRef, in_background
 from torchmem.meters.tensor import TensorMeter, storages_of
 
 BACKENDS = ("allocator", "dispatch")
@@ -159,16 +159,21 @@ class CpuDispatchMeter(TensorMeter):
         super().__init__("cpu")
 
     def used(self) -> int:
-        if threading.get_ident() not in self._modes:
+        if self._may_walk():
             with self._lock:
                 self._adopt_live()
         return super().used()
 
     def counters(self) -> dict[str, int]:
-        if threading.get_ident() not in self._modes:
+        if self._may_walk():
             with self._lock:
                 self._adopt_live()
         return super().counters()
+
+    def _may_walk(self) -> bool:
+        """A reading walks the live storages in a thread without windows of its own, but
+        never in torchmem's threads (their readings count what was seen)."""
+        return threading.get_ident() not in self._modes and not in_background()
 
     def _on_open(self, ref: WindowRef) -> None:
         if ref.thread not in self._modes:

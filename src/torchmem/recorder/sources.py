@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from torchmem.meters import Meter, Window, meter
+from torchmem.meters.base import background_thread
 from torchmem.meters.cpu import CpuAllocatorMeter
 from torchmem.meters.native import NO_FRAME_SITE, NO_PYTHON_SITE, CpuAllocatorLibrary
 from torchmem.recorder import history
@@ -200,7 +201,7 @@ class CpuStream:
                 self._taken = 0
                 self.sites, self.names, self._engine = {}, NameTable(), {NO_PYTHON_SITE}
                 self._halt.clear()
-                self._thread = threading.Thread(target=self._run, name="torchmem-log", daemon=True)
+                self._thread = background_thread(self._run, "torchmem-log")
                 self._thread.start()
             tally = Tally(used(), time.monotonic_ns(), first)
             tally.engine = self._engine
@@ -452,7 +453,7 @@ class Laps:
         self._window = self.meter.window()
         self.start_bytes = self._window.start
         self.start = time.monotonic_ns()
-        self._thread = threading.Thread(target=self._run, name="torchmem-laps", daemon=True)
+        self._thread = background_thread(self._run, "torchmem-laps")
         self._thread.start()
 
     def _run(self) -> None:

@@ -492,3 +492,33 @@ def test_the_users_saved_tensor_hooks_stay_when_scopes_are_not_nested() -> None:
     assert packed == [torch.Size([3])]  # mul saves the factor that needs no gradient
     users.__exit__(None, None, None)
     assert saved_hooks_on_this_thread() == []
+
+
+def test_a_model_the_program_drops_is_freed_at_once_and_still_named() -> None:
+    """The recording holds no module, optimizer or parameter of the program's alive: a
+    model a function made and dropped is freed when it returns, as without torchmem."""
+
+    def train() -> tuple[weakref.ref[nn.Module], weakref.ref[torch.optim.Optimizer]]:
+        model, optimizer = two_linears()
+        model(torch.randn(64, 1024)).square().mean().backward()
+        optimizer.step()
+        return weakref.ref(model), weakref.ref(optimizer)
+
+    with record() as rec:
+        model, optimizer = train()
+        dropped = (model(), optimizer())
+    assert dropped == (None, None)
+    cpu = rec.report().devices["cpu"]
+    assert cpu.end_bytes == cpu.start_bytes
+    end = cpu.categories_at_end
+    assert end is not None and end["parameters"] == end["optimizer_state"] == 0
+    peak = cpu.categories_at_peak
+    assert peak is not None
+    assert (peak["parameters"], peak["gradients"], peak["optimizer_state"]) == (8 * MiB,) * 3
+    names = {h.name for h in cpu.largest_at_peak}
+    assert {"0.weight", "1.weight.grad", "SGD.1.weight.momentum_buffer"} <= names
+    assert [(m.name, m.type, m.calls) for m in rec.report().modules] == [
+        ("", "Sequential", 1),
+        ("0", "Linear", 1),
+        ("1", "Linear", 1),
+    ]

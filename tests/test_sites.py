@@ -18,7 +18,7 @@ import torchmem
 from standins import MiB
 from torchmem.meters import meter
 from torchmem.recorder.analysis import Names, device_run
-from torchmem.recorder.hooks import Notes, Watcher
+from torchmem.recorder.hooks import Notes, Tree, Watcher
 from torchmem.recorder.sources import Log, cuda_events
 from torchmem.recorder.tally import CLOSE, HIT, OPEN
 from torchmem.records.frames import (
@@ -164,8 +164,9 @@ def test_cuda_backward_is_named_after_the_module_whose_backward_ran() -> None:
     """A CUDA recording's log, with the backward passes its watcher saw."""
     model = nn.Sequential(nn.Linear(2, 2))
     watcher = Watcher()
-    watcher.roots = [model]
-    watcher.modules = {id(m): m for m in model.modules()}
+    watcher.roots = [id(model)]
+    watcher.trees = {id(model): Tree.of(model)}
+    watcher.modules = {id(m): type(m).__name__ for m in model.modules()}
     notes = Notes()
     for when, op, probe, module, depth in (
         (100, OPEN, 1, model, 0),  # from 100 to 900

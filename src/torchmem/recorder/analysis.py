@@ -15,7 +15,6 @@ import os
 from typing import Any
 
 import numpy as np
-import torch
 
 from torchmem.meters.native import NO_PYTHON_SITE
 from torchmem.recorder.hooks import NameTable, Watcher
@@ -166,21 +165,22 @@ def laps_run(laps: Laps) -> DeviceRun:
 def module_peaks(
     tally: Tally,
     device: str,
-    modules: dict[int, torch.nn.Module],
+    modules: dict[int, str],
     names: dict[int, str],
     calls: dict[int, int],
 ) -> tuple[ModulePeak, ...]:
-    """Each module's highest use during its forward calls and its backward passes."""
+    """Each module's highest use during its forward calls and its backward passes
+    (`modules`: each module's class's name, by id)."""
     return tuple(
         ModulePeak(
             names.get(key, ""),
-            type(module).__name__,
+            kind,
             device,
             tally.forward.get(key, tally.base),
             tally.backward.get(key),
             calls.get(key, 0),
         )
-        for key, module in modules.items()
+        for key, kind in modules.items()
     )
 
 
@@ -192,16 +192,17 @@ class Names:
     def __init__(self, watcher: Watcher) -> None:
         self.modules: dict[int, str] = {}
         self.params: dict[int, str] = {}
-        self._types = {key: type(module).__name__ for key, module in watcher.modules.items()}
+        self._types = watcher.modules
         several = len(watcher.roots) > 1
         for root in watcher.roots:
-            prefix = type(root).__name__ if several else ""
-            for name, module in root.named_modules(remove_duplicate=False):
-                self.modules.setdefault(id(module), _join(prefix, name))
-            for name, param in root.named_parameters(remove_duplicate=False):
-                self.params.setdefault(id(param), _join(prefix, name))
-        for key, module in watcher.modules.items():
-            self.modules.setdefault(key, type(module).__name__)
+            tree = watcher.trees[root]
+            prefix = tree.kind if several else ""
+            for key, name in tree.modules:
+                self.modules.setdefault(key, _join(prefix, name))
+            for key, name in tree.params:
+                self.params.setdefault(key, _join(prefix, name))
+        for key, kind in watcher.modules.items():
+            self.modules.setdefault(key, kind)
 
     def __call__(self, name: tuple[Any, ...] | None) -> str | None:
         if name is None:

@@ -22,9 +22,10 @@ import itertools
 import threading
 import time
 import types
+import weakref
 from collections import deque
 from collections.abc import Callable, Generator, Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 import torch.autograd.graph
@@ -78,6 +79,25 @@ class NameTable:
         return index
 
 
+class Tree(NamedTuple):
+    """What a root module's report names need, kept without holding the module."""
+
+    kind: str
+    """The root's class's name."""
+    modules: list[tuple[int, str]]
+    """``(id, dotted name)`` of the root and every module in it."""
+    params: list[tuple[int, str]]
+    """``(id, dotted name)`` of every parameter in it."""
+
+    @classmethod
+    def of(cls, root: torch.nn.Module) -> Tree:
+        return cls(
+            type(root).__name__,
+            [(id(m), name) for name, m in root.named_modules(remove_duplicate=False)],
+            [(id(p), name) for name, p in root.named_parameters(remove_duplicate=False)],
+        )
+
+
 class Notes:
     """Marks and probes kept in Python, with their times, for a stream made later (CUDA's
     allocator history, the estimator's log): the latest :data:`NOTES`."""
@@ -117,20 +137,29 @@ class Watcher:
         self._since = 0
         self.notes: Notes | None = None
         self.names = NameTable()
-        self.modules: dict[int, torch.nn.Module] = {}
-        """Every module called, by id, in the order of first call."""
-        self.roots: list[torch.nn.Module] = []
-        """Modules called while no other module's forward ran, in order."""
-        self.optimizers: dict[int, torch.optim.Optimizer] = {}
+        # Nothing here holds the user's modules, optimizers or tensors alive: a model the
+        # program drops is freed as it would be without us.
+        self.modules: dict[int, str] = {}
+        """Every module called, by id, in the order of first call: its class's name."""
+        self.roots: list[int] = []
+        """The ids of modules called while no other module's forward ran (and of those
+        :meth:`stop` found held), in order."""
+        self.trees: dict[int, Tree] = {}
+        """Each root's modules and parameters, by id: as when last seen alive."""
+        self.optimizers: weakref.WeakValueDictionary[int, torch.optim.Optimizer] = (
+            weakref.WeakValueDictionary()
+        )
         self.calls: dict[int, int] = {}
         self._local = threading.local()
         self._handles: list[RemovableHandle] = []
         self._pending: dict[int, list[_Backward]] = {}
         self._saved = False
         """Whether this watcher's saved-tensor hooks are on this thread's stack."""
-        self._roots: set[int] = set()
-        self._known: dict[int, torch.nn.Module] = {}  # modules seen, or alive at the end
-        self._params: dict[int, list[torch.nn.Parameter]] = {}
+        self._roots: dict[int, weakref.ref[torch.nn.Module]] = {}
+        self._known: weakref.WeakValueDictionary[int, torch.nn.Module] = (
+            weakref.WeakValueDictionary()
+        )  # modules seen, or alive at the end
+        self._params: dict[int, list[int]] = {}
         self._param_hooks: dict[int, RemovableHandle] = {}
         self._waiting: dict[int, set[_Backward]] = {}
         """id() of a parameter -> the backward passes waiting for its gradient."""
@@ -209,17 +238,18 @@ class Watcher:
         self._handles, self._pending, self._param_hooks, self._waiting = [], {}, {}, {}
         roots, optimizers = discover(_within(held))
         for root in roots:
-            if id(root) not in self._roots:
-                self.roots.append(root)
-                self._roots.add(id(root))
+            self._found_root(root)
             for module in root.modules():
                 self._known.setdefault(id(module), module)
+        for key, ref in self._roots.items():  # their trees now, where they are alive
+            if (alive := ref()) is not None:
+                self.trees[key] = Tree.of(alive)
         for optimizer in optimizers:
             self.optimizers.setdefault(id(optimizer), optimizer)
         self._marked.clear()  # all of it once more: the notes of a long run may have lost some
-        for module in self._known.values():
+        for module in list(self._known.values()):
             self._mark_parameters(module)
-        for optimizer in self.optimizers.values():
+        for optimizer in list(self.optimizers.values()):
             self._mark_optimizer(optimizer, grads=True)
 
     # Marks -----------------------------------------------------------------------------
@@ -304,13 +334,13 @@ class Watcher:
     def _forward_pre(self, module: torch.nn.Module, args: Any) -> None:
         key = id(module)
         if key not in self.modules:
-            self.modules[key] = self._known[key] = module
+            self.modules[key] = type(module).__name__
+            self._known[key] = module
             self.calls[key] = 0
         self.calls[key] += 1
         stack = self._stack()
         if not stack and key not in self._roots:
-            self._roots.add(key)
-            self.roots.append(module)
+            self._found_root(module)
         self._mark_parameters(module)
         pending = self._pending.get(key)
         if pending:  # the backward passes done since its last call (never inside autograd)
@@ -340,7 +370,7 @@ class Watcher:
         if not outputs:
             return
         ends = [t for t in _tensors(args) if t.requires_grad]
-        params: list[torch.nn.Parameter] = []
+        params: list[int] = []
         if not ends:
             params = self._params_of(module)
             if not params:
@@ -354,7 +384,7 @@ class Watcher:
         # torch.autograd.grad() for leaf tensors (parameters, inputs).
         backward.handles += [t.register_hook(backward.end) for t in ends]  # type: ignore[no-untyped-call]
         for param in params:  # their hooks stay: a whole model's, per call, would cost much
-            self._waiting.setdefault(id(param), set()).add(backward)
+            self._waiting.setdefault(param, set()).add(backward)
         backward.params = params
         pending = self._pending.setdefault(key, [])
         pending.append(backward)
@@ -376,14 +406,26 @@ class Watcher:
         # backward pass would never be freed. A detached alias shares storage and version.
         return tensor.detach()
 
-    def _params_of(self, module: torch.nn.Module) -> list[torch.nn.Parameter]:
+    def _found_root(self, module: torch.nn.Module) -> None:
+        """`module` is a root: its tree is taken now, in case it dies before the end."""
+        key = id(module)
+        ref = self._roots.get(key)
+        if ref is not None and ref() is module:
+            return
+        if ref is None:
+            self.roots.append(key)
+        self._roots[key] = weakref.ref(module)  # anew where a dead root's id was reused
+        self.trees[key] = Tree.of(module)
+
+    def _params_of(self, module: torch.nn.Module) -> list[int]:
         """The parameters needing gradients of `module` (a module whose inputs need none
         ends its backward with their gradients), each with a hook that lasts until
         :meth:`stop` and hits the backward passes waiting for it."""
         params = self._params.get(id(module))
         if params is None:
-            params = self._params[id(module)] = [p for p in module.parameters() if p.requires_grad]
-            for param in params:
+            found = [p for p in module.parameters() if p.requires_grad]
+            params = self._params[id(module)] = [id(p) for p in found]
+            for param in found:
                 if id(param) not in self._param_hooks:
                     self._param_hooks[id(param)] = param.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
                         self._accumulated_hook
@@ -399,7 +441,7 @@ class Watcher:
         for handle in backward.handles:
             handle.remove()
         for param in backward.params:
-            self._waiting[id(param)].discard(backward)
+            self._waiting[param].discard(backward)
         backward.close()
 
 
@@ -497,8 +539,8 @@ class _Backward:
         self.started = False
         self.ended = False
         self.handles: list[RemovableHandle] = []
-        self.params: list[torch.nn.Parameter] = []
-        """The parameters whose gradients end it (where no input needs a gradient)."""
+        self.params: list[int] = []
+        """The ids of the parameters whose gradients end it (where no input needs one)."""
         self._probe = probe
 
     def begin(self, grad: Any) -> None:

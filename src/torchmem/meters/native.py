@@ -1,24 +1,35 @@
 """The counting CPU allocator's library: built from ``cpu_allocator.cpp`` with this
 machine's C++ compiler against the installed torch, cached, and loaded with ``ctypes``.
 
-The library is built once per torch version, Python version, platform and source, into
+The library is built once per torch version, Python version, platform, source, C++
+compiler (command and version), C++ ABI and presence of Python's headers, into
 ``$TORCHMEM_CACHE_DIR``, else ``$XDG_CACHE_HOME/torchmem``, else ``~/.cache/torchmem``.
 It includes only c10's headers and links only ``libc10``, so a build takes about a
 second. ``torchmem build`` builds it ahead of time (for container images).
+
+Loading a library runs its code, so only a library that this user built is loaded: the
+cache directory is created readable by this user only, a directory or library that is
+another user's or writable by group or others is refused, and a library that does not end
+with the digest its build appended (truncated, replaced) is built anew. A refusal, like a
+failed build, is a :class:`BuildError`: the CPU meter falls back to its dispatch mode.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import functools
 import hashlib
 import os
 import shlex
 import shutil
+import stat
 import subprocess
 import sys
 import sysconfig
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from types import CodeType
@@ -199,7 +210,8 @@ class CpuAllocatorLibrary:
 
 
 def cache_dir() -> Path:
-    """Where built libraries are kept."""
+    """Where built libraries are kept: ``$TORCHMEM_CACHE_DIR``, else
+    ``$XDG_CACHE_HOME/torchmem``, else ``~/.cache/torchmem``."""
     if os.environ.get("TORCHMEM_CACHE_DIR"):
         return Path(os.environ["TORCHMEM_CACHE_DIR"])
     if os.environ.get("XDG_CACHE_HOME"):
@@ -208,9 +220,18 @@ def cache_dir() -> Path:
 
 
 def library_path() -> Path:
-    """The cached library's file for this torch, Python, platform and source."""
+    """The cached library's file for this torch, Python, platform and source, C++ compiler
+    (its command and ``--version``), C++ ABI, and whether Python's headers are found: a
+    change to any of them builds the library anew.
+
+    Raises:
+        BuildError: if there is no C++ compiler, or it cannot be run.
+    """
+    cxx = compiler()
     tag = f"torch{torch.__version__}-{sys.implementation.cache_tag}-{sysconfig.get_platform()}"
-    digest = hashlib.sha256(SOURCE.read_bytes() + tag.encode()).hexdigest()[:12]
+    key = [tag, shlex.join(cxx), _compiler_version(tuple(cxx)), f"abi{_abi()}"]
+    key.append(f"python-headers{bool(_python_flags())}")
+    digest = hashlib.sha256(SOURCE.read_bytes() + "\0".join(key).encode()).hexdigest()[:12]
     safe = "".join(c if c.isalnum() or c in ".-" else "_" for c in tag)
     return cache_dir() / f"cpu_allocator-{safe}-{digest}.so"
 
@@ -227,57 +248,38 @@ def compiler() -> list[str]:
 
 
 def build(force: bool = False) -> Path:
-    """Build the library unless it is cached (or `force`); return its path.
+    """Build the library unless a whole one is cached (or `force`); return its path.
+
+    The cache directory is made readable and writable by this user only; an existing one,
+    or a cached library, that is another user's or writable by group or others is refused.
+    A cached file that is not whole as it was built (truncated, replaced) is built anew.
 
     Raises:
-        BuildError: naming the compiler and its last words, if the build fails.
+        BuildError: naming the compiler and its last words if the build fails, or why the
+            cache cannot be used.
     """
+    if sys.platform == "win32":
+        raise BuildError("not supported on Windows")
     path = library_path()
-    if path.exists() and not force:
+    _private_directory(path.parent)
+    if not force and _verified(path):
         return path
-    cxx = compiler()
-    root = Path(torch.__file__).parent
-    abi = int(torch.compiled_with_cxx11_abi())
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        _remove_stale_builds(path.parent)
+        # Built beside its final name and renamed: processes building at once (torchrun's
+        # ranks) each rename a whole library into place.
+        fd, partial = tempfile.mkstemp(prefix="tmp", suffix=".so", dir=path.parent)
+        os.close(fd)
+        try:
+            _compile(partial)
+            _seal(partial)
+            os.replace(partial, path)
+        except BaseException:  # Ctrl-C too (what a killed build leaves, a later one removes)
+            with contextlib.suppress(OSError):
+                os.unlink(partial)
+            raise
     except OSError as exc:
-        raise BuildError(f"cannot create the cache directory {path.parent}: {exc}") from None
-    # Built beside its final name and renamed: processes building at once (torchrun's
-    # ranks) each rename a whole library into place.
-    fd, partial = tempfile.mkstemp(suffix=".so", dir=path.parent)
-    os.close(fd)
-    python = Path(sysconfig.get_paths()["include"])
-    # Without Python's headers the allocator still counts; it records no sites.
-    sites = [f"-I{python}", "-DTORCHMEM_PYTHON"] if (python / "Python.h").exists() else []
-    # PyTorch's headers need C++20 from 2.14 on, C++17 before.
-    release = tuple(int(part) for part in torch.__version__.split(".")[:2])
-    standard = "-std=c++20" if release >= (2, 14) else "-std=c++17"
-    command = [
-        *cxx,
-        *sites,
-        "-O2",
-        standard,
-        "-shared",
-        "-fPIC",
-        f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
-        f"-I{root / 'include'}",
-        str(SOURCE),
-        "-o",
-        partial,
-        f"-L{root / 'lib'}",
-        "-lc10",
-        f"-Wl,-rpath,{root / 'lib'}",
-    ]
-    try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=300)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        os.unlink(partial)
-        raise BuildError(f"{command[0]} failed: {exc}") from None
-    if done.returncode:
-        os.unlink(partial)
-        last = (done.stderr or done.stdout).strip().splitlines()[-3:]
-        raise BuildError(f"{command[0]} exited with {done.returncode}: {' | '.join(last)}")
-    os.replace(partial, path)
+        raise BuildError(f"cannot write the library into {path.parent}: {exc}") from None
     return path
 
 
@@ -292,7 +294,152 @@ def load() -> CpuAllocatorLibrary:
     """
     global _loaded
     if _loaded is None:
-        if sys.platform == "win32":
-            raise BuildError("not supported on Windows")
-        _loaded = CpuAllocatorLibrary(build())
+        path = build()
+        # Checked again just before loading: loading runs the file's code, and a file
+        # cut short kills the process (SIGBUS).
+        if not _verified(path):
+            raise BuildError(f"{path} changed since it was built; not loaded")
+        try:
+            _loaded = CpuAllocatorLibrary(path)
+        except AttributeError as exc:  # ctypes' word for a missing symbol
+            raise BuildError(f"{path} is not torchmem's library: {exc}") from None
     return _loaded
+
+
+_TRAILER = b"\0torchmem-sha256\0"
+"""What :func:`build` appends to the library it built, followed by the SHA-256 digest of
+everything before it: the dynamic loader reads only what the library's headers name, and
+:func:`load` loads no file that does not end so (truncated, half-written, put there by
+something else). One file, renamed into place whole, so no second file can disagree."""
+_STALE_SECONDS = 3600
+"""A temporary file older than this is left by a build that was killed (builds time out
+after 300 seconds): the next build removes it."""
+
+
+@functools.cache
+def _compiler_version(cxx: tuple[str, ...]) -> str:
+    """What ``cxx --version`` says, asked once per process."""
+    try:
+        done = subprocess.run([*cxx, "--version"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise BuildError(f"{shlex.join(cxx)} --version failed: {exc}") from None
+    return f"{done.returncode}\n{done.stdout}{done.stderr}"
+
+
+def _abi() -> int:
+    """The C++ ABI (``_GLIBCXX_USE_CXX11_ABI``) that torch was built with."""
+    return int(torch._C._GLIBCXX_USE_CXX11_ABI)
+
+
+def _python_flags() -> list[str]:
+    """The flags that compile in the recording of sites, where Python's headers are found;
+    without them the allocator still counts, and records no sites."""
+    python = Path(sysconfig.get_paths()["include"])
+    return [f"-I{python}", "-DTORCHMEM_PYTHON"] if (python / "Python.h").exists() else []
+
+
+def _compile(output: str) -> None:
+    cxx = compiler()
+    root = Path(torch.__file__).parent
+    # PyTorch's headers need C++20 from 2.14 on, C++17 before.
+    release = tuple(int(part) for part in torch.__version__.split(".")[:2])
+    standard = "-std=c++20" if release >= (2, 14) else "-std=c++17"
+    command = [
+        *cxx,
+        *_python_flags(),
+        "-O2",
+        standard,
+        "-shared",
+        "-fPIC",
+        f"-D_GLIBCXX_USE_CXX11_ABI={_abi()}",
+        f"-I{root / 'include'}",
+        str(SOURCE),
+        "-o",
+        output,
+        f"-L{root / 'lib'}",
+        "-lc10",
+        f"-Wl,-rpath,{root / 'lib'}",
+    ]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise BuildError(f"{command[0]} failed: {exc}") from None
+    if done.returncode:
+        last = (done.stderr or done.stdout).strip().splitlines()[-3:]
+        raise BuildError(f"{command[0]} exited with {done.returncode}: {' | '.join(last)}")
+
+
+def _seal(path: str) -> None:
+    """Append :data:`_TRAILER` and the digest to the built library; make it this user's only
+    (the linker's mode follows the umask)."""
+    with open(path, "r+b") as f:
+        digest = hashlib.sha256(f.read()).digest()
+        f.write(_TRAILER + digest)
+    os.chmod(path, 0o700)
+
+
+def _verified(path: Path) -> bool:
+    """Whether `path` is a library :func:`build` wrote, whole; False where there is none.
+
+    Raises:
+        BuildError: if it is another user's, writable by group or others, or unreadable.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return False
+    except OSError as exc:
+        raise BuildError(f"cannot read {path}: {exc}") from None
+    with open(fd, "rb") as f:
+        _check_private(os.fstat(fd), f"the library {path}")
+        try:
+            data = f.read()
+        except OSError as exc:
+            raise BuildError(f"cannot read {path}: {exc}") from None
+    size = len(_TRAILER) + hashlib.sha256().digest_size
+    body, end = data[:-size], data[-size:]
+    return len(data) > size and end == _TRAILER + hashlib.sha256(body).digest()
+
+
+def _private_directory(directory: Path) -> None:
+    """Make `directory`, and any parent missing, readable and writable by this user only;
+    an existing one is left as it is, and must be private already.
+
+    Raises:
+        BuildError: if it cannot be made, is another user's, or is writable by group or
+            others.
+    """
+    missing = []
+    parent = directory
+    while not parent.exists():
+        missing.append(parent)
+        parent = parent.parent
+    try:
+        for made in reversed(missing):
+            with contextlib.suppress(FileExistsError):  # made by another process meanwhile
+                made.mkdir(mode=0o700)
+                os.chmod(made, 0o700)  # mkdir's mode is reduced by the umask
+        info = os.stat(directory)
+    except OSError as exc:
+        raise BuildError(f"cannot create the cache directory {directory}: {exc}") from None
+    _check_private(info, f"the cache directory {directory}")
+
+
+def _check_private(info: os.stat_result, what: str) -> None:
+    """Refuse a file or directory that someone else could have written: loading the
+    library runs its code."""
+    if info.st_uid != os.geteuid():
+        raise BuildError(f"{what} is owned by uid {info.st_uid}, not by this user")
+    if info.st_mode & 0o022:
+        mode = stat.S_IMODE(info.st_mode)
+        raise BuildError(f"{what} is writable by group or others (mode {mode:o}): chmod go-w it")
+
+
+def _remove_stale_builds(directory: Path) -> None:
+    """Remove the temporary files that killed builds left (older than :data:`_STALE_SECONDS`;
+    a younger one may be another process's build, running now)."""
+    stale = time.time() - _STALE_SECONDS
+    for leftover in directory.glob("tmp*.so"):
+        with contextlib.suppress(OSError):  # removed by another build meanwhile
+            if leftover.lstat().st_mtime < stale:
+                leftover.unlink()

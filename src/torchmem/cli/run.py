@@ -3,20 +3,24 @@
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
+import importlib.util
 import os
 import sys
+import threading
 import traceback
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import ModuleType, TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from torchmem.cli.command import Command
 from torchmem.errors import CommandError, TorchmemError
 
 if TYPE_CHECKING:
-    from torchmem.ranks import RanksReport
-    from torchmem.recorder import RunReport
+    from torchmem.ranks import Launch, RanksReport
+    from torchmem.recorder import Recording, RunReport
 
 
 class RunCommand(Command):
@@ -30,7 +34,9 @@ class RunCommand(Command):
         " the largest tensors; each module's forward and backward peak. Exits with the"
         " script's exit code. Under torchrun (torchrun [options] -m torchmem run SCRIPT)"
         " every rank records, and rank 0 prints one table of every rank and how unevenly"
-        " they used memory; rank 0 writes --json and --html."
+        " they used memory; rank 0 writes --json and --html. The script's non-daemon"
+        " threads are recorded to their end, as Python waits for them; its atexit"
+        " handlers run after the report."
     )
 
     def prepare_parser(self, parser: argparse.ArgumentParser) -> None:
@@ -71,8 +77,6 @@ class RunCommand(Command):
         parser.add_argument("script", nargs=argparse.REMAINDER, metavar="SCRIPT ARGS")
 
     def run(self, args: argparse.Namespace) -> int:
-        import dataclasses
-
         from torchmem.ranks import Launch
         from torchmem.recorder import record
 
@@ -104,23 +108,48 @@ class RunCommand(Command):
             except (RuntimeError, OSError) as exc:
                 where = f"{launch.address}:{launch.port}"
                 raise CommandError(f"cannot reach the launcher's store at {where}: {exc}") from None
-        namespace: dict[str, Any] = {}
-        pid = os.getpid()
+        run = _Run(args, tuple(argv), recording, launch, ModuleType("__main__"), os.getpid())
+        threads = set(threading.enumerate())
         recording.start()
         try:
-            code, error = _execute(target, argv, is_module, namespace)
+            code, error = _execute(target, argv, is_module, run.main)
         except BaseException:
-            recording.stop(namespace)
+            recording.stop(vars(run.main))
             raise
-        if os.getpid() != pid:
-            # A child the script forked: the report is its parent's (the child's meters
-            # stopped counting at the fork); it neither prints a second one nor overwrites
-            # the parent's files.
+        if any(not t.daemon for t in set(threading.enumerate()) - threads):
+            # Python waits for the script's non-daemon threads when this returns, then runs
+            # the atexit handlers, the last registered first: the report comes after the
+            # threads, before the script's own handlers.
+            atexit.register(_finish_at_exit, run, code, error)
             return code
-        recording.stop(namespace)
-        report = dataclasses.replace(
-            recording.report(args.top), exit_code=code, command=tuple(argv)
-        )
+        return run.finish(code, error)
+
+
+@dataclass(frozen=True)
+class _Run:
+    """A script's run under a recording, and what its end needs."""
+
+    args: argparse.Namespace
+    command: tuple[str, ...]
+    recording: Recording
+    launch: Launch | None
+    main: ModuleType
+    """The script's ``__main__``: its globals name the tensors they hold in the report."""
+    pid: int
+    """The process that started the recording: the only one that reports."""
+
+    def finish(self, code: int, error: str | None) -> int:
+        """Stop the recording, print and write the report; return the exit code `code`.
+
+        In a child the script forked, nothing: the report is its parent's (the child's
+        meters stopped counting at the fork), and it must neither print a second one nor
+        overwrite the parent's files.
+        """
+        if os.getpid() != self.pid:
+            return code
+        args, launch = self.args, self.launch
+        self.recording.stop(vars(self.main))
+        report = replace(self.recording.report(args.top), exit_code=code, command=self.command)
         if launch is None:
             _publish(report, args)
         else:
@@ -135,10 +164,20 @@ class RunCommand(Command):
             if launch is not None:
                 path = path.with_name(f"{path.stem}.rank{launch.rank}{path.suffix}")
             try:
-                recording.save_snapshot(path)
+                self.recording.save_snapshot(path)
             except TorchmemError as exc:
                 raise CommandError(str(exc)) from None
         return code
+
+
+def _finish_at_exit(run: _Run, code: int, error: str | None) -> None:
+    """:meth:`_Run.finish` as Python exits; a report it cannot write is said in one line
+    on stderr (the exit code is the script's by then: an atexit handler cannot change it)."""
+    try:
+        run.finish(code, error)
+    except (CommandError, OSError) as exc:
+        with contextlib.suppress(OSError, ValueError):
+            print(f"torchmem run: error: {exc}", file=sys.stderr)
 
 
 def _publish(report: RunReport | RanksReport, args: argparse.Namespace) -> None:
@@ -153,26 +192,29 @@ def _publish(report: RunReport | RanksReport, args: argparse.Namespace) -> None:
 
 
 def _execute(
-    target: str, argv: list[str], is_module: bool, namespace: dict[str, Any]
+    target: str, argv: list[str], is_module: bool, main: ModuleType
 ) -> tuple[int, str | None]:
-    """Run `target` as ``__main__`` with ``sys.argv`` = `argv`; return its exit code and,
-    where it raised, the last line of its traceback (``"ValueError: boom"``).
+    """Run `target` in `main` as ``__main__`` with ``sys.argv`` = `argv`, as ``python``
+    runs a script (``python -m`` a module); return its exit code and, where it raised,
+    the last line of its traceback (``"ValueError: boom"``).
 
-    Its globals end up in `namespace`. An uncaught exception prints its traceback through
-    ``sys.excepthook``, as Python would, without torchmem's frames; under ``torchrun`` it
-    also goes to the launcher's error file, which torchrun's failure summary shows.
+    ``sys.argv``, ``sys.path`` and ``__main__`` stay the script's afterwards, as under
+    ``python``: its threads and atexit handlers run after it returns, and may pickle a
+    class it defined or import a module next to it.
+
+    An uncaught exception prints its traceback through ``sys.excepthook``, as Python
+    would, without torchmem's frames; under ``torchrun`` it also goes to the launcher's
+    error file, which torchrun's failure summary shows.
     """
-    import runpy
-
-    saved_argv, saved_path = sys.argv[:], sys.path[:]
     sys.argv = list(argv)
+    sys.modules["__main__"] = main
     try:
         if is_module:
-            sys.path.insert(0, str(Path.cwd()))
-            namespace.update(runpy.run_module(target, run_name="__main__", alter_sys=True))
+            sys.path.insert(0, os.getcwd())
+            _run_module(target, main)
         else:
             sys.path.insert(0, str(Path(target).resolve().parent))
-            _run_script(target, namespace)
+            _run_script(target, main)
     except SystemExit as exc:
         if exc.code is None or isinstance(exc.code, int):
             return exc.code or 0, None
@@ -189,36 +231,54 @@ def _execute(
                 get_error_handler().record_exception(exc)
         error = traceback.format_exception_only(exc)[-1].strip()
         return 130 if isinstance(exc, KeyboardInterrupt) else 1, error
-    finally:
-        sys.argv, sys.path[:] = saved_argv, saved_path
     return 0, None
 
 
-def _run_script(path: str, namespace: dict[str, Any]) -> None:
-    """Execute the file at `path` as the ``__main__`` module, in `namespace`. Its
-    ``__file__`` is absolute, as ``python`` gives it, so that it stays valid after
-    ``os.chdir``; its code keeps `path` as given, the name tracebacks and the report show."""
+def _run_script(path: str, main: ModuleType) -> None:
+    """Execute the file at `path` in `main`. Its ``__file__`` is absolute, as ``python``
+    gives it, so that it stays valid after ``os.chdir``; its code keeps `path` as given,
+    the name tracebacks and the report show."""
     source = Path(path).read_bytes()
     code = compile(source, path, "exec", dont_inherit=True)
-    main = ModuleType("__main__")
     # Joined, not normalized: python's own absolute path ("/home/me/./train.py").
-    where = os.path.join(os.getcwd(), path)
-    main.__dict__.update(__file__=where, __builtins__=__builtins__, __cached__=None)
-    saved = sys.modules.get("__main__")
-    sys.modules["__main__"] = main
-    try:
-        exec(code, main.__dict__)
-    finally:
-        namespace.update(main.__dict__)
-        if saved is not None:
-            sys.modules["__main__"] = saved
+    vars(main).update(
+        __file__=os.path.join(os.getcwd(), path), __builtins__=__builtins__, __cached__=None
+    )
+    exec(code, vars(main))
+
+
+def _run_module(name: str, main: ModuleType) -> None:
+    """Execute module `name` (a package: its ``__main__``) in `main`, as ``python -m``
+    does: ``sys.argv[0]`` becomes its file."""
+    spec = importlib.util.find_spec(name)
+    if spec is not None and spec.submodule_search_locations is not None:
+        package, spec = name, importlib.util.find_spec(f"{name}.__main__")
+        if spec is None:
+            raise ImportError(
+                f"No module named {package}.__main__;"
+                f" {package!r} is a package and cannot be directly executed"
+            )
+    if spec is None:
+        raise ImportError(f"No module named {name}")
+    get_code = getattr(spec.loader, "get_code", None)
+    code = get_code(spec.name) if get_code is not None else None
+    if code is None:
+        raise ImportError(f"No code object available for {name}")
+    vars(main).update(
+        __file__=spec.origin,
+        __cached__=spec.cached,
+        __loader__=spec.loader,
+        __package__=spec.parent,
+        __spec__=spec,
+        __builtins__=__builtins__,
+    )
+    sys.argv[0] = spec.origin or name
+    exec(code, vars(main))
 
 
 def _user_frames(tb: TracebackType | None) -> TracebackType | None:
-    """`tb` without its leading frames of torchmem and runpy."""
-    import runpy
-
-    ours = {__file__, runpy.__file__}
+    """`tb` without its leading frames of torchmem and of Python's import machinery."""
+    ours = {__file__}
     while tb is not None and (
         tb.tb_frame.f_code.co_filename in ours
         or tb.tb_frame.f_code.co_filename.startswith("<frozen ")

@@ -327,3 +327,44 @@ def test_the_key_holds_the_compilers_version(tmp_path, monkeypatch, real_library
     stand_in_compiler(tmp_path, real_library, version="stand-in c++ 2.0")
     after = python(code, env).stdout
     assert before and after and before != after
+
+
+# Threads asking at once ------------------------------------------------------------------------
+
+RACE = """\
+import threading, time
+import torchmem
+from torchmem.meters import native
+
+loads = []
+init = native.CpuAllocatorLibrary.__init__
+
+def counted(self, path):
+    loads.append(path)
+    time.sleep(0.2)  # a slow load: every thread arrives while the first one is loading
+    init(self, path)
+
+native.CpuAllocatorLibrary.__init__ = counted
+barrier = threading.Barrier(4)
+meters = []
+
+def first_use():
+    barrier.wait()
+    meters.append(torchmem.meter("cpu"))
+
+threads = [threading.Thread(target=first_use) for _ in range(4)]
+for thread in threads:
+    thread.start()
+for thread in threads:
+    thread.join()
+print(len(meters), all(m is meters[0] for m in meters), meters[0].backend, len(loads))
+"""
+
+
+def test_threads_using_the_cpu_meter_first_at_once_get_one_meter_and_one_load(
+    tmp_path, real_library
+):
+    cxx = stand_in_compiler(tmp_path, real_library)
+    done = python(RACE, environment(tmp_path / "cache", cxx))
+    assert done.stdout.split() == ["4", "True", "allocator", "1"], done.stderr
+    assert builds(cxx) == 1

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from torchmem.meters.allocator import AllocatorMeter
@@ -31,10 +33,12 @@ __all__ = [
 # One meter per pool, shared by everyone in the process: a pool's peak counter is one
 # per process (CUDA's, the kernel's), so its windows must all go through one registry.
 _meters: dict[str, Meter] = {}
+_meters_lock = threading.Lock()
+"""Held while a meter is made, so that threads asking for it first, at once, get one."""
 
 
 def meter(device: DeviceLike | None = None) -> Meter:
-    """The meter for a device, the same object on every call.
+    """The meter for a device, the same object on every call, in every thread.
 
     Args:
         device: ``"cpu"`` (every CPU tensor storage of the process, see
@@ -49,9 +53,13 @@ def meter(device: DeviceLike | None = None) -> Meter:
         ValueError: naming the device, if it is malformed or not available here.
     """
     key = "ram" if device == "ram" else str(resolve_device(device))
-    if key not in _meters:
-        _meters[key] = _make(key)
-    return _meters[key]
+    found = _meters.get(key)
+    if found is None:
+        with _meters_lock:
+            found = _meters.get(key)
+            if found is None:
+                found = _meters[key] = _make(key)
+    return found
 
 
 def device_meter(index: int | None = None) -> DeviceMeter:
@@ -67,9 +75,10 @@ def device_meter(index: int | None = None) -> DeviceMeter:
     if device.type != "cuda":
         raise ValueError(f"invalid GPU {index!r}: expected a CUDA device index")
     key = f"device:{device.index}"
-    meter = _meters.get(key)
-    if not isinstance(meter, DeviceMeter):
-        meter = _meters[key] = DeviceMeter(device.index)
+    with _meters_lock:
+        meter = _meters.get(key)
+        if not isinstance(meter, DeviceMeter):
+            meter = _meters[key] = DeviceMeter(device.index)
     return meter
 
 

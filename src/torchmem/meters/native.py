@@ -284,26 +284,29 @@ def build(force: bool = False) -> Path:
 
 
 _loaded: CpuAllocatorLibrary | None = None
+_load_lock = threading.Lock()
 
 
 def load() -> CpuAllocatorLibrary:
-    """Build (if needed), load and install the counting CPU allocator, once per process.
+    """Build (if needed), load and install the counting CPU allocator, once per process
+    (threads calling at once share one load).
 
     Raises:
         BuildError: saying why it cannot be used here.
     """
     global _loaded
-    if _loaded is None:
-        path = build()
-        # Checked again just before loading: loading runs the file's code, and a file
-        # cut short kills the process (SIGBUS).
-        if not _verified(path):
-            raise BuildError(f"{path} changed since it was built; not loaded")
-        try:
-            _loaded = CpuAllocatorLibrary(path)
-        except AttributeError as exc:  # ctypes' word for a missing symbol
-            raise BuildError(f"{path} is not torchmem's library: {exc}") from None
-    return _loaded
+    with _load_lock:
+        if _loaded is None:
+            path = build()
+            # Checked again just before loading: loading runs the file's code, and a file
+            # cut short kills the process (SIGBUS).
+            if not _verified(path):
+                raise BuildError(f"{path} changed since it was built; not loaded")
+            try:
+                _loaded = CpuAllocatorLibrary(path)
+            except AttributeError as exc:  # ctypes' word for a missing symbol
+                raise BuildError(f"{path} is not torchmem's library: {exc}") from None
+        return _loaded
 
 
 _TRAILER = b"\0torchmem-sha256\0"

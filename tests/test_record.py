@@ -522,3 +522,38 @@ def test_a_model_the_program_drops_is_freed_at_once_and_still_named() -> None:
         ("0", "Linear", 1),
         ("1", "Linear", 1),
     ]
+
+
+def test_a_recording_nested_before_the_first_allocation_shares_the_names() -> None:
+    """An inner recording started before its outer one logged a row starts at row 0 too:
+    it still nests (the outer's report failed, naming marks through a table the inner
+    replaced). In a fresh process: there the outer's log is empty when the inner starts."""
+    script = (
+        "import torch, torchmem\n"
+        "model = torch.nn.Linear(64, 64)\n"
+        "with torchmem.record('cpu'):\n"  # an earlier recording, which named marks
+        "    model(torch.randn(4, 64)).sum().backward()\n"
+        "with torchmem.record('cpu') as outer:\n"
+        "    with torchmem.record('cpu') as inner:\n"
+        "        kept = torch.zeros(1024, 1024)\n"
+        "    inner_report = inner.report()\n"  # kept: its figures are numpy's, not the program's
+        "    del kept\n"
+        "for report in (outer.report(), inner_report):\n"
+        "    cpu = report.devices['cpu']\n"
+        "    print(cpu.peak_bytes - cpu.start_bytes)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert done.stdout.split() == [str(4 * MiB)] * 2, done.stderr
+
+
+def test_a_recording_imports_no_dynamo_while_the_program_runs() -> None:
+    """Importing torch._dynamo (seconds, tens of MiB) is not the program's cost."""
+    script = (
+        "import sys, torch, torchmem\n"
+        "with torchmem.record('cpu') as rec:\n"
+        "    model = torch.nn.Linear(64, 64)\n"
+        "    model(torch.randn(4, 64)).sum().backward()\n"
+        "    print('torch._dynamo' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert done.stdout.split() == ["False"], done.stderr

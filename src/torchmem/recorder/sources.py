@@ -196,8 +196,9 @@ class CpuStream:
     def open(self, sites: bool, used: Callable[[], int]) -> Tally:
         """Start a recording whose start is `used()` bytes; its tally."""
         with self._lock:
+            fresh = not self.tallies  # (a nested recording's first row may be row 0 too)
             first = self.library.record_start(sites)
-            if not first:
+            if fresh:
                 self._taken = 0
                 self.sites, self.names, self._engine = {}, NameTable(), {NO_PYTHON_SITE}
                 self._halt.clear()

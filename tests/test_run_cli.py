@@ -138,7 +138,10 @@ def test_the_readme_example_runs(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     report = json.loads((tmp_path / "o.json").read_text())
     assert [m["type"] for m in report["modules"]].count("Linear") == 3
-    state = report["devices"]["cpu"]["categories_at_end"]["optimizer_state"]
-    parameters = report["devices"]["cpu"]["categories_at_end"]["parameters"]
+    cpu = report["devices"]["cpu"]
+    state = cpu["categories_at_peak"]["optimizer_state"]
+    parameters = cpu["categories_at_peak"]["parameters"]
     assert state == 2 * parameters + 6 * 4  # Adam: exp_avg, exp_avg_sq; a 4-byte step each
+    # The model and optimizer are main()'s: gone at the end (torchmem holds nothing alive).
+    assert cpu["end_bytes"] == 0 and set(cpu["categories_at_end"].values()) == {0}
     assert os.path.basename(report["sites_at_peak"][0]["file"]) == "train.py"

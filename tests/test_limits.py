@@ -58,10 +58,11 @@ def test_a_failed_verdict_carries_its_explanation_and_nothing_the_recording_kept
     [leak] = leaks.stop([Limit("limit_leaks", 0, "cpu")], collect=True)
     KEPT.clear()
     assert peak.peak is not None
-    assert sorted(h.bytes for h in peak.peak.largest_at_peak)[-2:] == [MiB, 2 * MiB]
+    # The model was freed at its del (the recording holds nothing alive): the peak is KEPT.
+    assert max(h.bytes for h in peak.peak.largest_at_peak) == 2 * MiB
+    assert MiB not in {h.bytes for h in peak.peak.largest_at_peak}
     assert [(r.shape, r.nbytes) for r in leak.stayed] == [((512, 1024), 2 * MiB)]
-    # The span that ends after the recording is gone sees neither its log nor the model
-    # it kept (which the recording's own span still does, at its end).
+    # The span that ends after the recording is gone does not see its log.
     assert leaks.usage["cpu"].kept == 2 * MiB
 
 

@@ -10,6 +10,9 @@ count grows with them: a window there was seen to come out just over 1 MiB short
 300 MiB spike, against about 0.35 MiB in a fresh process.
 """
 
+import json
+import os
+import subprocess
 import sys
 import threading
 
@@ -148,3 +151,58 @@ def test_the_sampler_sleeps_between_samples(sampled):
         threading.Event().wait(0.25)
     # A busy loop would take tens of thousands of samples in that time.
     assert sampled.samples <= 50
+
+
+KEPT_PEAK = """
+import json, sys, time, numpy, torchmem
+
+def touch(mib):
+    buffer = numpy.ones(mib * 2**20, dtype=numpy.uint8)
+    time.sleep(0.05)  # long enough for a sampling thread to see it
+    del buffer
+
+def own_peak():  # VmHWM: ru_maxrss would carry the peak of the process that forked this one
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+
+touch(int(sys.argv[1]))  # the process's highest before the recording
+before = own_peak()
+with torchmem.record("ram") as rec:
+    touch(int(sys.argv[2]))
+    time.sleep(0.05)  # a lap or two after it
+run = rec.report().devices["ram"]
+print(json.dumps({"before": before, "after": own_peak(), "exact": run.exact,
+                  "peak": run.peak_bytes, "rise": run.peak_bytes - run.start_bytes}))
+"""
+
+
+def kept_peak(before_mib: int, inside_mib: int) -> dict[str, int]:
+    done = subprocess.run(
+        [sys.executable, "-c", KEPT_PEAK, str(before_mib), str(inside_mib)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
+    )
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+@linux_only
+def test_a_recording_leaves_the_programs_own_peak_alone_and_is_exact_at_a_new_high():
+    """The program's own peak (VmHWM, ru_maxrss) is its own under a recording (restarting
+    the kernel's mark every lap made it read a fraction of its peak); a recording's peak
+    that is the process's highest yet is the kernel's mark, exact."""
+    found = kept_peak(0, 300)
+    assert found["after"] >= found["before"] + 250 * MiB  # the import of torch peaked higher
+    assert found["exact"] is True
+    assert abs(found["after"] - found["peak"]) <= KERNEL_SLACK  # the kernel's mark, both
+    assert abs(found["rise"] - 300 * MiB) <= 8 * MiB  # numpy's import and the interpreter's
+
+
+@linux_only
+def test_a_recording_below_the_processs_highest_is_sampled_and_says_so():
+    found = kept_peak(300, 100)
+    assert found["after"] == found["before"]  # the program's own peak, untouched
+    assert found["exact"] is False
+    assert 100 * MiB - KERNEL_SLACK <= found["rise"] <= 108 * MiB

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 
 import psutil
 
@@ -10,6 +11,7 @@ from torchmem.meters.base import SampledMeter, WindowRef
 
 CLEAR_REFS = "/proc/self/clear_refs"
 STATUS = "/proc/self/status"
+_LINUX = sys.platform == "linux"
 
 
 class RamMeter(SampledMeter):
@@ -21,8 +23,9 @@ class RamMeter(SampledMeter):
     call that holds the GIL. Where that write is refused (some containers) or the OS is
     not Linux, a thread samples RSS instead and :attr:`exact` is False.
 
-    Resetting the high-water mark also resets what ``resource.getrusage`` reports as
-    ``ru_maxrss`` for this process.
+    Restarting the high-water mark also restarts what the program itself reads as its
+    peak (``VmHWM``, ``resource.getrusage``'s ``ru_maxrss``, ``/usr/bin/time``). A
+    recording (:meth:`keep_high_water_mark`) never restarts it.
     """
 
     stats = ("rss",)
@@ -31,29 +34,65 @@ class RamMeter(SampledMeter):
         super().__init__()
         self.device = "ram"
         self._process = psutil.Process()
-        self.exact = sys.platform == "linux" and _clear_refs()
+        self._exact: bool | None = None
+        self._keeping = 0
+        self._mark = 0  # the kernel's high-water mark at the last reset, while kept
+
+    @property
+    def exact(self) -> bool:  # type: ignore[override]
+        """Whether peaks are the kernel's, restarted for each window (Linux, where
+        ``/proc/self/clear_refs`` can be written: found out, by writing it, on first use)."""
+        if self._exact is None:
+            self._exact = sys.platform == "linux" and _clear_refs()
+        return self._exact
 
     def used(self) -> int:
         return int(self._process.memory_info().rss)
 
+    def keep_high_water_mark(self) -> Callable[[], bool]:
+        """Until the returned function is called, never restart the kernel's high-water
+        mark (the program's own ``ru_maxrss`` stays its own): a thread samples RSS, and a
+        peak that is the process's highest yet is the kernel's, exact. The function says
+        whether the span's peak was such a one (exact); call it once."""
+        start = _high_water_mark() if _LINUX else 0
+        with self._lock:
+            self._keeping += 1
+            self._mark, self._peak = start, self.used()
+            if self._windows:
+                SampledMeter._on_open(self, None)  # type: ignore[arg-type]
+
+        def release() -> bool:
+            with self._lock:
+                self._keeping -= 1
+            return _LINUX and _high_water_mark() > start
+
+        return release
+
+    def _passive(self) -> bool:
+        return bool(self._keeping) or not self.exact
+
     def _peaks(self) -> dict[str, int]:
-        if not self.exact:
-            return super()._peaks()
-        return {"rss": max(_high_water_mark(), self.used())}
+        if not self._passive():
+            return {"rss": max(_high_water_mark(), self.used())}
+        sampled = super()._peaks()["rss"]
+        if self._keeping and _LINUX and (mark := _high_water_mark()) > self._mark:
+            return {"rss": max(mark, sampled)}  # a new high for the process: exact
+        return {"rss": sampled}
 
     def _reset_peaks(self) -> None:
-        if self.exact:
+        if not self._passive():
             _clear_refs()
-        else:
-            super()._reset_peaks()
+            return
+        super()._reset_peaks()
+        if self._keeping and _LINUX:
+            self._mark = _high_water_mark()
 
     def _on_open(self, ref: WindowRef) -> None:
-        if not self.exact:
+        if self._passive():
             super()._on_open(ref)
 
     def _on_close(self, ref: WindowRef, dropped: bool = False) -> None:
-        if not self.exact:
-            super()._on_close(ref, dropped)
+        super()._on_close(ref, dropped)  # stops the sampler, where one runs
 
 
 def _clear_refs() -> bool:

@@ -158,7 +158,7 @@ def laps_run(laps: Laps) -> DeviceRun:
         peak_time=(peak_at - laps.start) / 1e9,
         end_bytes=laps.end_bytes,
         timeline=tuple(((t - laps.start) / 1e9, p) for t, p in points),
-        exact=laps.meter.exact,
+        exact=laps.meter.exact if laps.exact is None else laps.exact,
     )
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -15,6 +15,7 @@ import torch
 from torchmem._compat import getframe
 from torchmem.errors import TorchmemError
 from torchmem.meters import meter
+from torchmem.meters.ram import RamMeter
 from torchmem.recorder.analysis import Names, device_run, laps_run, module_peaks
 from torchmem.recorder.hooks import Notes, Watcher
 from torchmem.recorder.sources import CpuLog, CudaLog, Laps, Tallied
@@ -74,6 +75,7 @@ class Recording:
         self._cpu: CpuLog | None = None
         self._cuda: CudaLog | None = None
         self._laps: list[Laps] = []
+        self._ram_kept: Callable[[], bool] | None = None
         self._logs: list[Tallied] = []
         self._variables: dict[int, str] = {}
         self._started = self._stopped = 0
@@ -97,7 +99,12 @@ class Recording:
         elif wanted not in (None, "cpu", "ram"):
             self._laps.append(Laps(meter(wanted)))
         if wanted in (None, "ram"):
-            self._laps.append(Laps(meter("ram")))
+            ram = meter("ram")
+            self._laps.append(Laps(ram))
+            # The program's own peak (ru_maxrss, VmHWM) is left alone: a run's is exact
+            # where it is the process's highest yet, as it is for nearly every script.
+            assert isinstance(ram, RamMeter)
+            self._ram_kept = ram.keep_high_water_mark()
         # Made before anything counts: wrapping the hooks may import Dynamo.
         watcher = Watcher() if self._cpu is not None or self._cuda is not None else None
         self._started = time.monotonic_ns()
@@ -130,11 +137,16 @@ class Recording:
         try:
             for laps in self._laps:  # first: what follows is torchmem's, not the program's
                 laps.end(self._stopped)
+                if laps.device == "ram" and self._ram_kept is not None:
+                    laps.exact, self._ram_kept = self._ram_kept(), None
             namespace = variables or {}
             if self._watcher is not None:
                 self._watcher.stop(namespace.values())
             self._variables = _variables(namespace)
         finally:
+            if self._ram_kept is not None:
+                self._ram_kept()
+                self._ram_kept = None
             if self._cpu is not None:
                 self._logs.append(self._cpu.stop())
             if self._cuda is not None:

@@ -449,6 +449,9 @@ class Laps:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._stat = meter.stats[0]
+        self.exact: bool | None = None
+        """Whether the peaks are exact, where the meter's :attr:`~Meter.exact` does not
+        say (a RAM meter that kept the kernel's high-water mark)."""
 
     def begin(self) -> None:
         self._window = self.meter.window()

@@ -7,6 +7,7 @@ before each recording, so nothing dies inside it by chance.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
@@ -557,3 +558,35 @@ def test_a_recording_imports_no_dynamo_while_the_program_runs() -> None:
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert done.stdout.split() == ["False"], done.stderr
+
+
+def process_state() -> dict[str, object]:
+    """What the README's "What torchmem changes in your process" says a recording changes
+    and undoes, read from the process."""
+    return {
+        "global hooks": global_hooks(),
+        "saved-tensor hooks": saved_hooks_on_this_thread(),
+        "disable_saved_tensors_hooks": torch.autograd.graph.disable_saved_tensors_hooks,
+        "threads": sorted(t.name for t in threading.enumerate() if t.name.startswith("torch")),
+        "trace": sys.gettrace(),
+    }
+
+
+@pytest.mark.parametrize("ending", ["normally", "by an error", "by Ctrl-C"])
+def test_every_change_a_recording_makes_to_the_process_is_undone(ending: str) -> None:
+    model, optimizer = two_linears()
+    model[0].weight.requires_grad_(False)  # a module whose inputs need no gradient: hooks
+    before = process_state()
+    error = {"by an error": ValueError("the user's"), "by Ctrl-C": KeyboardInterrupt()}
+    raises = pytest.raises(BaseException) if ending in error else contextlib.nullcontext()
+    with raises, record():
+        during = process_state()
+        model(torch.randn(8, 1024)).sum().backward()
+        optimizer.step()
+        hooked = [bool(p._post_accumulate_grad_hooks) for p in model.parameters()]
+        if ending in error:
+            raise error[ending]
+    assert during != before and any(hooked)  # the changes it checks are undone were made
+    assert process_state() == before
+    assert all(not p._post_accumulate_grad_hooks for p in model.parameters())
+    assert all(not p._backward_hooks for p in model.parameters())

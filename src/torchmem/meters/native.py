@@ -220,17 +220,13 @@ def cache_dir() -> Path:
 
 
 def library_path() -> Path:
-    """The cached library's file for this torch, Python, platform and source, C++ compiler
-    (its command and ``--version``), C++ ABI, and whether Python's headers are found: a
-    change to any of them builds the library anew.
-
-    Raises:
-        BuildError: if there is no C++ compiler, or it cannot be run.
-    """
-    cxx = compiler()
+    """The cached library's file for this torch, Python, platform and source, C++ ABI, and
+    whether Python's headers are found: a change to any of them builds the library anew.
+    The compiler that built it is written in the file (:func:`build` builds anew where
+    another compiler is found, and uses the cached library where none is: an image that
+    ran ``torchmem build`` and then dropped its compiler)."""
     tag = f"torch{torch.__version__}-{sys.implementation.cache_tag}-{sysconfig.get_platform()}"
-    key = [tag, shlex.join(cxx), _compiler_version(tuple(cxx)), f"abi{_abi()}"]
-    key.append(f"python-headers{bool(_python_flags())}")
+    key = [tag, f"abi{_abi()}", f"python-headers{bool(_python_flags())}"]
     digest = hashlib.sha256(SOURCE.read_bytes() + "\0".join(key).encode()).hexdigest()[:12]
     safe = "".join(c if c.isalnum() or c in ".-" else "_" for c in tag)
     return cache_dir() / f"cpu_allocator-{safe}-{digest}.so"
@@ -262,7 +258,8 @@ def build(force: bool = False) -> Path:
         raise BuildError("not supported on Windows")
     path = library_path()
     _private_directory(path.parent)
-    if not force and _verified(path):
+    built_by, compiler_now = _verified(path), _compiler_fingerprint()
+    if not force and built_by is not None and compiler_now in (None, built_by):
         return path
     try:
         _remove_stale_builds(path.parent)
@@ -272,7 +269,7 @@ def build(force: bool = False) -> Path:
         os.close(fd)
         try:
             _compile(partial)
-            _seal(partial)
+            _seal(partial, _compiler_fingerprint() or bytes(32))
             os.replace(partial, path)
         except BaseException:  # Ctrl-C too (what a killed build leaves, a later one removes)
             with contextlib.suppress(OSError):
@@ -300,7 +297,7 @@ def load() -> CpuAllocatorLibrary:
             path = build()
             # Checked again just before loading: loading runs the file's code, and a file
             # cut short kills the process (SIGBUS).
-            if not _verified(path):
+            if _verified(path) is None:
                 raise BuildError(f"{path} changed since it was built; not loaded")
             try:
                 _loaded = CpuAllocatorLibrary(path)
@@ -311,12 +308,24 @@ def load() -> CpuAllocatorLibrary:
 
 _TRAILER = b"\0torchmem-sha256\0"
 """What :func:`build` appends to the library it built, followed by the SHA-256 digest of
-everything before it: the dynamic loader reads only what the library's headers name, and
+the compiler that built it (:func:`_compiler_fingerprint`) and that of everything before
+this digest: the dynamic loader reads only what the library's headers name, and
 :func:`load` loads no file that does not end so (truncated, half-written, put there by
 something else). One file, renamed into place whole, so no second file can disagree."""
 _STALE_SECONDS = 3600
 """A temporary file older than this is left by a build that was killed (builds time out
 after 300 seconds): the next build removes it."""
+
+
+def _compiler_fingerprint() -> bytes | None:
+    """The SHA-256 digest of the compiler's command and what its ``--version`` says; None
+    where there is no compiler, or it cannot say."""
+    try:
+        cxx = compiler()
+        said = _compiler_version(tuple(cxx))
+    except BuildError:
+        return None
+    return hashlib.sha256(f"{shlex.join(cxx)}\n{said}".encode()).digest()
 
 
 @functools.cache
@@ -372,17 +381,18 @@ def _compile(output: str) -> None:
         raise BuildError(f"{command[0]} exited with {done.returncode}: {' | '.join(last)}")
 
 
-def _seal(path: str) -> None:
-    """Append :data:`_TRAILER` and the digest to the built library; make it this user's only
-    (the linker's mode follows the umask)."""
+def _seal(path: str, compiler: bytes) -> None:
+    """Append :data:`_TRAILER`, the `compiler`'s fingerprint and the digest to the built
+    library; make it this user's only (the linker's mode follows the umask)."""
     with open(path, "r+b") as f:
-        digest = hashlib.sha256(f.read()).digest()
-        f.write(_TRAILER + digest)
+        sealed = f.read() + _TRAILER + compiler
+        f.write(_TRAILER + compiler + hashlib.sha256(sealed).digest())
     os.chmod(path, 0o700)
 
 
-def _verified(path: Path) -> bool:
-    """Whether `path` is a library :func:`build` wrote, whole; False where there is none.
+def _verified(path: Path) -> bytes | None:
+    """The fingerprint of the compiler that built `path`, where it is a library :func:`build`
+    wrote, whole; None where it is not, or there is none.
 
     Raises:
         BuildError: if it is another user's, writable by group or others, or unreadable.
@@ -390,7 +400,7 @@ def _verified(path: Path) -> bool:
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     except FileNotFoundError:
-        return False
+        return None
     except OSError as exc:
         raise BuildError(f"cannot read {path}: {exc}") from None
     with open(fd, "rb") as f:
@@ -399,9 +409,12 @@ def _verified(path: Path) -> bool:
             data = f.read()
         except OSError as exc:
             raise BuildError(f"cannot read {path}: {exc}") from None
-    size = len(_TRAILER) + hashlib.sha256().digest_size
-    body, end = data[:-size], data[-size:]
-    return len(data) > size and end == _TRAILER + hashlib.sha256(body).digest()
+    digest = hashlib.sha256().digest_size
+    sealed, end = data[:-digest], data[-digest:]
+    trailer = sealed[-len(_TRAILER) - digest :]
+    if len(data) <= len(_TRAILER) + 2 * digest or not trailer.startswith(_TRAILER):
+        return None
+    return trailer[len(_TRAILER) :] if hashlib.sha256(sealed).digest() == end else None
 
 
 def _private_directory(directory: Path) -> None:

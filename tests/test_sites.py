@@ -18,7 +18,8 @@ import torchmem
 from standins import MiB
 from torchmem.meters import meter
 from torchmem.recorder.analysis import Names, device_run
-from torchmem.recorder.hooks import Notes, Tree, Watcher
+from torchmem.recorder.hooks import Watcher
+from torchmem.recorder.notes import Notes, Tree
 from torchmem.recorder.sources import Log, cuda_events
 from torchmem.recorder.tally import CLOSE, HIT, OPEN
 from torchmem.records.frames import (

@@ -388,6 +388,52 @@ def in_backward() -> bool:
     return _AUTOGRAD_NODE is not None and _AUTOGRAD_NODE() is not None
 
 
+_PUSH_SAVED = lookup("torch._C._autograd._push_saved_tensors_default_hooks")
+_POP_SAVED = lookup("torch._C._autograd._pop_saved_tensors_default_hooks")
+_TOP_SAVED = lookup("torch._C._autograd._top_saved_tensors_default_hooks")
+_SAVED_ENABLED = lookup("torch._C._autograd._saved_tensors_hooks_is_enabled")
+
+
+def saved_tensors_hooks_enabled() -> bool:
+    """Whether saved-tensor hooks may be installed on this thread now (not inside a region
+    that forbids them, such as a ``torch.func`` transform)."""
+    return _SAVED_ENABLED is None or bool(_SAVED_ENABLED())
+
+
+def push_saved_tensors_hooks(
+    pack: Callable[[torch.Tensor], Any], unpack: Callable[[Any], Any]
+) -> None:
+    """Put (`pack`, `unpack`) on top of this thread's saved-tensor hook stack."""
+    if _PUSH_SAVED is None:
+        torch.autograd.graph.saved_tensors_hooks(pack, unpack).__enter__()
+    else:
+        _PUSH_SAVED(pack, unpack)
+
+
+def pop_saved_tensors_hooks() -> None:
+    """Take the top hooks off this thread's saved-tensor hook stack."""
+    if _POP_SAVED is None:
+        unsupported("torch._C._autograd._pop_saved_tensors_default_hooks", "A recording")()
+    _POP_SAVED()
+
+
+def saved_tensors_hooks_readable() -> bool:
+    """Whether this PyTorch can say which hooks are on the saved-tensor hook stack."""
+    return _TOP_SAVED is not None
+
+
+def top_saved_tensors_hooks() -> tuple[Callable[..., Any], Callable[..., Any]] | None:
+    """The hooks on top of this thread's saved-tensor hook stack; None for none, or where
+    this PyTorch cannot say."""
+    return None if _TOP_SAVED is None else _TOP_SAVED(True)
+
+
+def cxx11_abi() -> bool:
+    """Whether torch was built with the C++11 ABI (``_GLIBCXX_USE_CXX11_ABI``); True where
+    it does not say."""
+    return bool(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", True))
+
+
 # CPython -------------------------------------------------------------------------------
 
 _RLOCK_IS_OWNED = lookup("_thread.RLock._is_owned")

@@ -44,7 +44,8 @@ from torchmem._compat import (
 from torchmem.estimator.autocast import CudaRules
 from torchmem.estimator.placement import GPU_AS_CPU, OnFakeCpu, any_on, mark
 from torchmem.meters.tensor import TensorMeter
-from torchmem.recorder.hooks import Notes, Watcher
+from torchmem.recorder.hooks import Watcher
+from torchmem.recorder.notes import Notes
 from torchmem.recorder.sources import NO_SITE, Log
 from torchmem.records.frames import (
     BACKWARD,

@@ -37,6 +37,7 @@ from types import CodeType
 import numpy as np
 import torch
 
+from torchmem._compat import cxx11_abi
 from torchmem.errors import TorchmemError
 from torchmem.records import frames
 
@@ -340,7 +341,7 @@ def _compiler_version(cxx: tuple[str, ...]) -> str:
 
 def _abi() -> int:
     """The C++ ABI (``_GLIBCXX_USE_CXX11_ABI``) that torch was built with."""
-    return int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    return int(cxx11_abi())
 
 
 def _python_flags() -> list[str]:

@@ -17,7 +17,8 @@ from typing import Any
 import numpy as np
 
 from torchmem.meters.native import NO_PYTHON_SITE
-from torchmem.recorder.hooks import NameTable, Watcher
+from torchmem.recorder.hooks import Watcher
+from torchmem.recorder.notes import NameTable
 from torchmem.recorder.sources import NO_SITE, Laps, Tallied
 from torchmem.recorder.tally import UNNAMED, Table, Tally
 from torchmem.records.frames import NO_PYTHON, SiteKey

@@ -17,19 +17,15 @@ for the others. Nothing the watcher keeps grows with the run's length.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import threading
-import time
 import types
 import weakref
-from collections import deque
-from collections.abc import Callable, Generator, Iterable, Iterator
-from typing import TYPE_CHECKING, Any, NamedTuple
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.autograd.graph
-from torch._C import _autograd
 from torch.autograd.graph import register_multi_grad_hook
 from torch.optim.optimizer import (
     register_optimizer_step_post_hook,
@@ -37,7 +33,14 @@ from torch.optim.optimizer import (
 )
 from torch.utils.hooks import RemovableHandle
 
-from torchmem._compat import disable_dynamo, keep_dynamo_out
+from torchmem._compat import (
+    disable_dynamo,
+    keep_dynamo_out,
+    push_saved_tensors_hooks,
+    saved_tensors_hooks_enabled,
+)
+from torchmem.recorder import saved
+from torchmem.recorder.notes import NameTable, Notes, Tree
 from torchmem.recorder.tally import CLOSE, HIT, MARK, OPEN
 from torchmem.tensors import discover
 
@@ -51,73 +54,10 @@ PENDING = 8
 e.g. evaluation with gradients on, drop the oldest)."""
 
 
-NOTES = 1 << 18
-"""Marks and probes a :class:`Notes` buffer keeps at most (the latest)."""
 CATCH_UP = 64
 """Module calls between two looks at how far the CPU log's draining lags."""
-_DTYPES: dict[torch.dtype, str] = {}
-"""``str()`` of each dtype seen (it costs more than a look-up)."""
 _numbers = itertools.count()
 """Probe numbers, unique in the process (recordings that nest share one log)."""
-
-
-class NameTable:
-    """What marks named, by index: ``(name, shape, dtype)`` (see :attr:`Notes.rows`). Shared
-    by the recordings that share a log, so that one's index means the same to all."""
-
-    def __init__(self) -> None:
-        self.entries: list[tuple[tuple[Any, ...] | None, tuple[int, ...], str]] = []
-        self._index: dict[tuple[Any, ...], int] = {}
-
-    def intern(self, name: tuple[Any, ...] | None, tensor: torch.Tensor) -> int:
-        dtype = _DTYPES.get(tensor.dtype) or _DTYPES.setdefault(tensor.dtype, str(tensor.dtype))
-        entry = (name, tuple(tensor.shape), dtype)
-        index = self._index.get(entry)
-        if index is None:
-            index = self._index[entry] = len(self.entries)
-            self.entries.append(entry)
-        return index
-
-
-class Tree(NamedTuple):
-    """What a root module's report names need, kept without holding the module."""
-
-    kind: str
-    """The root's class's name."""
-    modules: list[tuple[int, str]]
-    """``(id, dotted name)`` of the root and every module in it."""
-    params: list[tuple[int, str]]
-    """``(id, dotted name)`` of every parameter in it."""
-
-    @classmethod
-    def of(cls, root: torch.nn.Module) -> Tree:
-        return cls(
-            type(root).__name__,
-            [(id(m), name) for name, m in root.named_modules(remove_duplicate=False)],
-            [(id(p), name) for name, p in root.named_parameters(remove_duplicate=False)],
-        )
-
-
-class Notes:
-    """Marks and probes kept in Python, with their times, for a stream made later (CUDA's
-    allocator history, the estimator's log): the latest :data:`NOTES`."""
-
-    def __init__(self) -> None:
-        self.rows: deque[tuple[int, int, int, int, int, str]] = deque(maxlen=NOTES)
-        """``(time, kind, ptr or probe number, payload or module, ref, device)``."""
-        self.lost = 0
-        """Notes older than those kept."""
-
-    def _add(self, row: tuple[int, int, int, int, int, str]) -> None:
-        if len(self.rows) == NOTES:
-            self.lost += 1
-        self.rows.append(row)
-
-    def mark(self, ptr: int, payload: int, device: str) -> None:
-        self._add((time.monotonic_ns(), MARK, ptr, payload, -1, device))
-
-    def probe(self, kind: int, number: int, module: int, ref: int) -> None:
-        self._add((time.monotonic_ns(), kind, number, module, ref, ""))
 
 
 class Watcher:
@@ -212,10 +152,10 @@ class Watcher:
         ]
         # Not inside a region that forbids saved-tensor hooks (a torch.func transform):
         # activations go unseen there, as in every region where ours step aside.
-        if _autograd._saved_tensors_hooks_is_enabled():  # type: ignore[attr-defined]
-            _autograd._push_saved_tensors_default_hooks(*self._saved_hooks)
+        if saved_tensors_hooks_enabled():
+            push_saved_tensors_hooks(*self._saved_hooks)
             self._saved = True
-            _step_aside.watch(self._saved_hooks[0])
+            saved.step_aside.watch(self._saved_hooks[0])
 
     def stop(self, held: Iterable[object] = ()) -> None:
         """Remove every hook, then mark what the modules and optimizers hold: those seen,
@@ -225,8 +165,8 @@ class Watcher:
         over every object of the process: a model that never ran and that no variable
         holds is not looked for."""
         if self._saved:
-            _step_aside.forget(self._saved_hooks[0])
-            _remove_saved_hooks(self._saved_hooks[0])
+            saved.step_aside.forget(self._saved_hooks[0])
+            saved.remove(self._saved_hooks[0])
             self._saved = False
         for handle in self._handles:
             handle.remove()
@@ -443,69 +383,6 @@ class Watcher:
         for param in backward.params:
             self._waiting[param].discard(backward)
         backward.close()
-
-
-class _StepAside:
-    """Our saved-tensor hooks step aside where PyTorch forbids such hooks: torch.func's
-    transforms (``grad``, ``vjp``, ``jacrev``, ``hessian``) enter
-    :func:`torch.autograd.graph.disable_saved_tensors_hooks`, which raises while any are
-    installed. While a watcher records, that function is replaced by one that lifts this
-    thread's hooks of ours off the top of its stack, runs PyTorch's, and puts them back;
-    the last watcher to stop puts PyTorch's function back. The activations such a region
-    saves are not marked (they count as other memory)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._packs: set[Callable[..., Any]] = set()
-        self._original: Callable[[str], contextlib.AbstractContextManager[None]] | None = None
-
-    def watch(self, pack: Callable[..., Any]) -> None:
-        with self._lock:
-            if not self._packs:
-                self._original = torch.autograd.graph.disable_saved_tensors_hooks
-                torch.autograd.graph.disable_saved_tensors_hooks = self._disable
-            self._packs.add(pack)
-
-    def forget(self, pack: Callable[..., Any]) -> None:
-        with self._lock:
-            self._packs.discard(pack)
-            if not self._packs and self._original is not None:
-                torch.autograd.graph.disable_saved_tensors_hooks = self._original  # type: ignore[assignment]
-                self._original = None
-
-    @contextlib.contextmanager
-    def _disable(self, error_message: str) -> Generator[None, None, None]:
-        lifted = []
-        while (top := _autograd._top_saved_tensors_default_hooks(True)) and top[0] in self._packs:
-            _autograd._pop_saved_tensors_default_hooks()
-            lifted.append(top)
-        original = self._original
-        try:
-            if original is None:  # the last watcher stopped in between (another thread)
-                yield
-            else:
-                with original(error_message):
-                    yield
-        finally:
-            for pack, unpack in reversed(lifted):
-                _autograd._push_saved_tensors_default_hooks(pack, unpack)
-
-
-_step_aside = _StepAside()
-
-
-def _remove_saved_hooks(pack: Callable[..., Any]) -> None:
-    """Take the saved-tensor hooks whose pack hook is `pack` off this thread's stack,
-    wherever they are on it: hooks the user pushed above ours (a ``saved_tensors_hooks``
-    scope entered inside the recording and left after it) stay, in their order."""
-    above = []
-    while (top := _autograd._top_saved_tensors_default_hooks(True)) is not None:
-        _autograd._pop_saved_tensors_default_hooks()
-        if top[0] is pack:
-            break
-        above.append(top)
-    for found_pack, unpack in reversed(above):
-        _autograd._push_saved_tensors_default_hooks(found_pack, unpack)
 
 
 def _opaque(hook: Callable[..., Any]) -> Callable[..., Any]:

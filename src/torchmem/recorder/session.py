@@ -17,7 +17,8 @@ from torchmem.errors import TorchmemError
 from torchmem.meters import meter
 from torchmem.meters.ram import RamMeter
 from torchmem.recorder.analysis import Names, device_run, laps_run, module_peaks
-from torchmem.recorder.hooks import Notes, Watcher
+from torchmem.recorder.hooks import Watcher
+from torchmem.recorder.notes import Notes
 from torchmem.recorder.sources import CpuLog, CudaLog, Laps, Tallied
 from torchmem.records.run import DeviceRun, ModulePeak, RunRecord
 from torchmem.resolve import DeviceLike, resolve_device

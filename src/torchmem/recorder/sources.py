@@ -27,7 +27,7 @@ from torchmem.meters.base import background_thread
 from torchmem.meters.cpu import CpuAllocatorMeter
 from torchmem.meters.native import NO_FRAME_SITE, NO_PYTHON_SITE, CpuAllocatorLibrary
 from torchmem.recorder import history
-from torchmem.recorder.hooks import NameTable, Notes
+from torchmem.recorder.notes import NameTable, Notes
 from torchmem.recorder.tally import (
     ALLOC,
     COLUMNS,
@@ -115,7 +115,7 @@ class Tallied:
     frame (a thread Python does not know: intra-op workers)."""
     reserved_peak: int | None = None
     lost_notes: int = 0
-    """Marks and probes too old to be kept (see :class:`~torchmem.recorder.hooks.Notes`)."""
+    """Marks and probes too old to be kept (see :class:`~torchmem.recorder.notes.Notes`)."""
 
 
 def stream(events: np.ndarray, notes: Notes | None, device: str | None) -> np.ndarray:

@@ -7,6 +7,8 @@
 // Each block carries a header of kHeader bytes before the data, holding the block's
 // size, so that the deleter knows what it frees. The DataPtr's context is its data
 // pointer, as with the default allocator: code that checks that (oneDNN) keeps working.
+// Blocks that c10 aligns to the page (huge-page allocations, THP_MEM_ALLOC_ENABLE=1) have
+// no header: a header would move their data off the page (see "Paged blocks").
 //
 // Storages made before the allocator was installed are adopted: their deleter (the
 // default allocator's) is swapped for one that counts them off when they die.
@@ -18,11 +20,50 @@
 // time a site is seen. The log is a stream of rows that Python drains as it fills
 // (torchmem.recorder.tally counts them): a free names its allocation by sequence number,
 // and Python adds rows of its own in order (what a storage is, a module's pass starting).
+//
+// What this file relies on -------------------------------------------------------------
+//
+// PyTorch (c10); those marked [checked] are checked by torchmem_install before anything
+// is replaced, or by torchmem_self_test after, and the allocator is not used where they
+// fail:
+// - c10::GetDefaultCPUAllocator() is c10::DefaultCPUAllocator, and no other allocator is
+//   set for the CPU [checked]. That class has no data members: the object can become a
+//   CountingAllocator by its virtual table pointer alone (one pointer at offset 0, as the
+//   Itanium C++ ABI of GCC and Clang lays it out), and c10 calls it only virtually.
+// - Its allocate(n) gives {data, data, raw_deleter()} from c10::alloc_cpu, data aligned to
+//   c10::gAlignment [checked]: adoption swaps exactly that deleter, and kHeader keeps that
+//   alignment. This file's c10::gAlignment is the library's [checked on Linux, where c10
+//   exports c10_compute_alignment].
+// - c10::alloc_cpu(n) aligns to c10::c10_compute_alignment(n): the page for huge-page
+//   allocations, else gAlignment. It throws c10::Error when there is no memory, as
+//   allocate() must then; c10::free_cpu frees what it gave.
+// - raw_deleter() frees any pointer that allocate() gave with its context released
+//   (Allocator::raw_allocate / raw_deallocate) [checked]: delete_counted takes both kinds.
+// - A deleter runs once, in any thread, from destructors that are noexcept, possibly while
+//   the process exits, after static destructors ran: deleters never throw, and what they
+//   touch is never destroyed. allocate() either fails whole (the block given back, nothing
+//   counted) or nothing after its counters can throw.
+// - c10::StorageImpl::_mutable_data_ptr_no_checks and DataPtr::compare_exchange_deleter
+//   (adoption). A storage's DataPtr changes only inside operators (resize_, set_), which
+//   Python code starts: adoption holds the GIL.
+//
+// CPython, where TORCHMEM_PYTHON: see the notes above python_site. In short: the GIL
+// guards the sites' tables (a build without the GIL records no sites); the functions that
+// touch Python objects are called with it held (ctypes.PyDLL); a thread that Python does
+// not know is never given a thread state.
+//
+// The platform: std::mutex and the C++ library do not throw except std::bad_alloc, and
+// std::mutex::lock does not fail on a mutex of this file (a thread never takes one it
+// holds).
 
 #ifdef TORCHMEM_PYTHON
 #include <Python.h>  // first, as Python asks
 #if PY_VERSION_HEX < 0x030B0000
 #include <frameobject.h>  // PyFrame_GetLineNumber: in Python.h from 3.11 on
+#endif
+#ifdef Py_GIL_DISABLED
+// The sites' tables are guarded by the GIL: a Python without one records no sites.
+#undef TORCHMEM_PYTHON
 #endif
 #endif
 
@@ -50,6 +91,8 @@
 namespace {
 
 constexpr size_t kHeader = c10::gAlignment < 64 ? 64 : c10::gAlignment;
+static_assert(kHeader % c10::gAlignment == 0 && kHeader >= sizeof(int64_t),
+              "the data after a header keeps c10's alignment; the header holds the size");
 
 // The layout Python reads: one int64 each, in this order.
 struct Counters {
@@ -62,6 +105,8 @@ struct Counters {
   std::atomic<int64_t> adopted{0};    // bytes adopted (made before install)
 };
 static_assert(sizeof(std::atomic<int64_t>) == sizeof(int64_t), "plain int64 layout");
+static_assert(sizeof(Counters) == 7 * sizeof(int64_t), "seven int64, as Python reads them");
+static_assert(std::atomic<int64_t>::is_always_lock_free, "Python reads them as plain int64");
 
 // Never destroyed: storages may die during interpreter shutdown, after static
 // destructors would have run.
@@ -69,6 +114,53 @@ Counters& counters = *new Counters();
 std::mutex& adopted_mutex = *new std::mutex();
 std::unordered_map<void*, int64_t>& adopted_sizes = *new std::unordered_map<void*, int64_t>();
 c10::DeleterFnPtr default_deleter = nullptr;
+
+// Rows the log had no memory for (torchmem_dropped_rows), since install: a recording that
+// lost some cannot be exact, and its report says so.
+std::atomic<int64_t> dropped_rows{0};
+
+// Paged blocks --------------------------------------------------------------------------
+//
+// With THP_MEM_ALLOC_ENABLE=1, c10::alloc_cpu aligns allocations of 2 MiB and more to the
+// page, so that the kernel can back them with huge pages. A header would put their data
+// kHeader bytes past the page, and a whole page for the header would waste a page each
+// (a huge page, once the kernel backs the block with them): they are allocated as c10
+// allocates them, without a header, and their sizes are kept here. Such blocks are few
+// and large, so one table under a mutex costs nothing that matters.
+//
+// The invariant: a block is paged if and only if its data pointer is in paged_sizes,
+// from its allocation until its deleter; its DataPtr's deleter is delete_paged, every
+// other block's is delete_counted, and delete_counted (the raw deleter, which gets only
+// a pointer) looks here first for a page-aligned pointer once a paged block was made.
+std::mutex& paged_mutex = *new std::mutex();
+std::unordered_map<void*, int64_t>& paged_sizes = *new std::unordered_map<void*, int64_t>();
+std::atomic<size_t> paged_alignment{0};  // the page, once a paged block was made; 0 before
+
+// The alignment c10::alloc_cpu gives n bytes.
+inline size_t c10_alignment(size_t n) {
+#if defined(__linux__) && !defined(__ANDROID__)
+  return c10::c10_compute_alignment(n);
+#else
+  return c10::gAlignment;  // c10 aligns to the page on Linux only
+#endif
+}
+
+// Whether c10::alloc_cpu aligns n bytes to the page.
+inline bool paged(size_t n) {
+  return n >= c10::gAlloc_threshold_thp && c10_alignment(n) != c10::gAlignment;
+}
+
+// The size of the paged block at data, taken out of the table; 0 where data is not one.
+int64_t forget_paged(void* data) noexcept {
+  std::lock_guard<std::mutex> lock(paged_mutex);
+  auto found = paged_sizes.find(data);
+  if (found == paged_sizes.end()) {
+    return 0;
+  }
+  const int64_t n = found->second;
+  paged_sizes.erase(found);
+  return n;
+}
 
 // The recording ------------------------------------------------------------------------
 
@@ -134,7 +226,10 @@ inline int64_t now_ns() {
 // through re.Pattern.match, a C function that never releases the GIL; code objects'
 // co_filename and co_name are plain members; the cyclic collector, whose finalizers could
 // run Python code (and release the GIL), is paused while the stack is read. Nothing in
-// here throws: a failed allocation of the tables below gives kNoFrame.
+// here throws: a failed allocation of the tables below gives kNoFrame. A thread that asks
+// for the GIL while Python finalizes (a daemon thread) is ended there by CPython, with
+// pthread_exit: it holds none of the allocator's locks then, and nothing on its way out is
+// noexcept (see record_alloc).
 constexpr int kUser = 0;  // the kinds of torchmem.records.frames, Match.lastindex of its rule
 constexpr int kEngine = 1;
 constexpr int kOther = 2;
@@ -317,18 +412,46 @@ void clear_sites() {
 int64_t python_site() { return kNoSite; }
 #endif
 
+// Room for one more row, or false (the row is dropped, and counted). Grows the log by
+// doubling, as push_back would, but before anything else changed: the push_back that
+// follows cannot throw. With log_mutex held.
+bool room_for_a_row() noexcept {
+  if (events.size() < events.capacity()) {
+    return true;
+  }
+  try {
+    events.reserve(std::max<size_t>(64, 2 * events.capacity()));
+    return true;
+  } catch (...) {  // std::bad_alloc
+    dropped_rows.fetch_add(1, std::memory_order_relaxed);
+    return false;
+  }
+}
+
+// Logs an allocation. Never throws (it runs inside allocate(), after the counters): a row
+// that finds no memory (for itself or its entry in `live`) is dropped and counted. Its free
+// then names no allocation, as a free of a storage made before the recording does. Not
+// noexcept: python_site's PyGILState_Ensure ends a thread that finds Python finalizing
+// with pthread_exit, whose unwinding a noexcept function would turn into std::terminate.
 void record_alloc(void* data, int64_t n) {
   const int64_t site = recording.load(std::memory_order_relaxed) == 2 ? python_site() : kNoSite;
   std::lock_guard<std::mutex> lock(log_mutex);
-  if (!recording.load(std::memory_order_relaxed)) {
+  if (!recording.load(std::memory_order_relaxed) || !room_for_a_row()) {
     return;
   }
   const int64_t seq = taken + static_cast<int64_t>(events.size());
-  live[data] = {seq, kOtherCategory, generation};
+  try {
+    live.insert_or_assign(data, Live{seq, kOtherCategory, generation});
+  } catch (...) {  // std::bad_alloc: `live` is as it was
+    dropped_rows.fetch_add(1, std::memory_order_relaxed);
+    return;
+  }
   events.push_back({now_ns(), reinterpret_cast<int64_t>(data), n, site, -1, kAlloc});
 }
 
-void record_free(void* data, int64_t n) {
+// Logs a free. Never throws (it runs inside a deleter): a row that finds no memory is
+// dropped and counted.
+void record_free(void* data, int64_t n) noexcept {
   std::lock_guard<std::mutex> lock(log_mutex);
   if (!recording.load(std::memory_order_relaxed)) {
     return;
@@ -339,38 +462,72 @@ void record_free(void* data, int64_t n) {
     ref = found->second.seq;
     live.erase(found);
   }
-  events.push_back({now_ns(), reinterpret_cast<int64_t>(data), -n, kNoSite, ref, kFree});
-}
-
-inline void grow(int64_t n) {
-  int64_t now = counters.current.fetch_add(n, std::memory_order_relaxed) + n;
-  int64_t peak = counters.peak.load(std::memory_order_relaxed);
-  while (now > peak &&
-         !counters.peak.compare_exchange_weak(peak, now, std::memory_order_relaxed)) {
+  if (room_for_a_row()) {
+    events.push_back({now_ns(), reinterpret_cast<int64_t>(data), -n, kNoSite, ref, kFree});
   }
 }
 
-inline void shrink(int64_t n) {
-  counters.current.fetch_sub(n, std::memory_order_relaxed);
+// The peak: every read-modify-write of it is a compare-exchange that only raises it, so a
+// raise never overwrites a higher one made at once in another thread. `current` and `peak`
+// use sequentially consistent operations (on x86 they cost what relaxed ones do, but for
+// the reset's stores), which torchmem_reset_peak needs.
+inline void raise_peak(int64_t value) noexcept {
+  int64_t peak = counters.peak.load();
+  while (value > peak && !counters.peak.compare_exchange_weak(peak, value)) {
+  }
+}
+
+inline void grow(int64_t n) noexcept { raise_peak(counters.current.fetch_add(n) + n); }
+
+inline void shrink(int64_t n) noexcept {
+  // The bytes before this free raise the peak too: where a reset stored a `current` that a
+  // grow in another thread had just passed, the grow's own raise came before the store,
+  // and the peak is below what was in use. Almost always a load and a compare.
+  raise_peak(counters.current.fetch_sub(n));
   counters.freed.fetch_add(n, std::memory_order_relaxed);
   counters.frees.fetch_add(1, std::memory_order_relaxed);
 }
 
-void delete_counted(void* data) {
-  if (data == nullptr) {
-    return;
-  }
-  char* block = static_cast<char*>(data) - kHeader;
-  const int64_t n = *reinterpret_cast<int64_t*>(block);
+// Counts a block of n bytes at data off, and logs it. Never throws.
+void count_free(void* data, int64_t n) noexcept {
   shrink(n);
   if (recording.load(std::memory_order_relaxed)) {
     record_free(data, n);
   }
-  c10::profiledCPUMemoryReporter().Delete(data);
+  try {
+    c10::profiledCPUMemoryReporter().Delete(data);
+  } catch (...) {  // the profiler's bookkeeping: the profiler misses one free
+  }
+}
+
+// The deleter of a paged block (see "Paged blocks").
+void delete_paged(void* data) noexcept {
+  count_free(data, forget_paged(data));
+  c10::free_cpu(data);
+}
+
+// The deleter of a block with a header, and the raw deleter: it frees a paged block too,
+// which raw_deallocate hands it by its pointer alone. A paged block's data is page-aligned,
+// and a block with a header seldom has its data there: only those look in the table.
+void delete_counted(void* data) noexcept {
+  if (data == nullptr) {
+    return;
+  }
+  const size_t page = paged_alignment.load(std::memory_order_relaxed);
+  if (page != 0 && reinterpret_cast<uintptr_t>(data) % page == 0) {
+    const int64_t n = forget_paged(data);
+    if (n != 0) {
+      count_free(data, n);
+      c10::free_cpu(data);
+      return;
+    }
+  }
+  char* block = static_cast<char*>(data) - kHeader;
+  count_free(data, *reinterpret_cast<int64_t*>(block));
   c10::free_cpu(block);
 }
 
-void delete_adopted(void* data) {
+void delete_adopted(void* data) noexcept {
   int64_t n = 0;
   {
     std::lock_guard<std::mutex> lock(adopted_mutex);
@@ -386,41 +543,64 @@ void delete_adopted(void* data) {
       record_free(data, n);
     }
   }
-  default_deleter(data);
+  try {
+    default_deleter(data);  // c10's: the profiler's bookkeeping, then c10::free_cpu
+  } catch (...) {  // the profiler's bookkeeping threw before the block was freed: it leaks
+  }
 }
 
 struct CountingAllocator final : c10::Allocator {
+  // Either fails whole, throwing what c10 throws, with nothing counted and the block given
+  // back; or succeeds, and nothing after the block is remembered and reported can throw.
   c10::DataPtr allocate(size_t n) override {
     const c10::Device cpu(c10::DeviceType::CPU);
     if (n == 0) {
       return {nullptr, nullptr, &delete_counted, cpu};
     }
+    const bool page = paged(n);
+    const size_t asked = page ? n : n + kHeader;
     void* block = nullptr;
     try {
-      block = c10::alloc_cpu(n + kHeader);
+      block = c10::alloc_cpu(asked);
     } catch (c10::Error& error) {
       c10::profiledCPUMemoryReporter().OutOfMemory(n);
       // c10's message names the size asked of it: name the caller's instead (in a plain
       // c10::Error only; a subclass is rethrown as it is, keeping its Python type).
       std::string message = error.msg();
-      const std::string asked = std::to_string(n + kHeader);
-      const size_t at = message.find(asked);
-      if (at == std::string::npos || typeid(error) != typeid(c10::Error)) {
+      const std::string size = std::to_string(asked);
+      const size_t at = message.find(size);
+      if (asked == n || at == std::string::npos || typeid(error) != typeid(c10::Error)) {
         throw;
       }
-      message.replace(at, asked.size(), std::to_string(n));
+      message.replace(at, size.size(), std::to_string(n));
       throw c10::Error(message, error.backtrace(), error.caller());
     }
-    *static_cast<int64_t*>(block) = static_cast<int64_t>(n);
-    void* data = static_cast<char*>(block) + kHeader;
+    void* data = page ? block : static_cast<char*>(block) + kHeader;
+    try {
+      if (page) {
+        std::lock_guard<std::mutex> lock(paged_mutex);
+        paged_sizes.emplace(data, static_cast<int64_t>(n));
+      } else {
+        *static_cast<int64_t*>(block) = static_cast<int64_t>(n);
+      }
+      c10::profiledCPUMemoryReporter().New(data, n);  // its table may throw std::bad_alloc
+    } catch (...) {
+      if (page) {
+        forget_paged(data);
+      }
+      c10::free_cpu(block);
+      throw;
+    }
+    if (page && paged_alignment.load(std::memory_order_relaxed) == 0) {
+      paged_alignment.store(c10_alignment(n), std::memory_order_relaxed);
+    }
     counters.allocated.fetch_add(static_cast<int64_t>(n), std::memory_order_relaxed);
     counters.allocations.fetch_add(1, std::memory_order_relaxed);
     grow(static_cast<int64_t>(n));
-    c10::profiledCPUMemoryReporter().New(data, n);
     if (recording.load(std::memory_order_relaxed)) {
       record_alloc(data, static_cast<int64_t>(n));
     }
-    return {data, data, &delete_counted, cpu};
+    return {data, data, page ? &delete_paged : &delete_counted, cpu};
   }
 
   c10::DeleterFnPtr raw_deleter() const override { return &delete_counted; }
@@ -447,23 +627,44 @@ extern "C" {
 // being registered with c10::SetCPUAllocator: Python's storage constructors
 // (torch.UntypedStorage(n), which copy.deepcopy, pickle and torch.load use) call
 // c10::GetDefaultCPUAllocator() directly, and must be counted too.
+//
+// Returns 2 where the default allocator is not c10::DefaultCPUAllocator (a build of
+// PyTorch that torchmem does not know: its virtual table is not replaced), 3 where it
+// does not allocate as this file assumes (see "What this file relies on").
 int torchmem_install() {
   c10::Allocator* standard = c10::GetDefaultCPUAllocator();
   if (c10::GetCPUAllocator() != standard) {
     return 1;
   }
   if (allocator == nullptr) {
+    // c10::DefaultCPUAllocator, as the Itanium C++ ABI names it (c10 does not declare it).
+    if (std::strcmp(typeid(*standard).name(), "N3c1019DefaultCPUAllocatorE") != 0) {
+      return 2;
+    }
+    if (c10_alignment(1) != c10::gAlignment) {
+      return 3;  // the library's gAlignment is not this file's
+    }
+    {
+      c10::DataPtr probe = standard->allocate(c10::gAlignment);
+      if (probe.get() == nullptr || probe.get_context() != probe.get() ||
+          probe.get_deleter() != standard->raw_deleter() ||
+          reinterpret_cast<uintptr_t>(probe.get()) % c10::gAlignment != 0) {
+        return 3;
+      }
+    }
     default_deleter = standard->raw_deleter();
     std::memcpy(&standard_vtable, static_cast<void*>(standard), sizeof(void*));
-    // The adopted sizes' and the log's locks must be free in a child made by fork (DataLoader's
-    // workers): hold it across fork so that no other thread holds it then.
+    // The adopted and paged sizes' and the log's locks must be free in a child made by fork
+    // (DataLoader's workers): hold them across fork so that no other thread holds one then.
     pthread_atfork(
         [] {
           adopted_mutex.lock();
+          paged_mutex.lock();
           log_mutex.lock();
         },
         [] {
           log_mutex.unlock();
+          paged_mutex.unlock();
           adopted_mutex.unlock();
         },
         [] {
@@ -473,6 +674,7 @@ int torchmem_install() {
           live.clear();
           taken = 0;
           log_mutex.unlock();
+          paged_mutex.unlock();
           adopted_mutex.unlock();
         });
     static_assert(sizeof(CountingAllocator) == sizeof(c10::Allocator), "no data members");
@@ -493,16 +695,33 @@ void torchmem_uninstall() {
 // The counters, as seven int64 in the order of struct Counters.
 int64_t* torchmem_counters() { return reinterpret_cast<int64_t*>(&counters); }
 
-// Restarts the peak at the current bytes.
+// Rows the log had no memory for since install (see dropped_rows), as an int64 that
+// Python reads directly.
+int64_t* torchmem_dropped_rows() { return reinterpret_cast<int64_t*>(&dropped_rows); }
+
+// Restarts the peak at the current bytes. The store alone could go below what is in use:
+// a grow in another thread between the load and the store compared itself with the old
+// peak, and its raise was overwritten. The raise after the store takes `current` again;
+// a free that follows raises the peak to the bytes before it (see shrink); later grows
+// raise it themselves. So from here on the peak is never below `current`, and never above
+// the most that was in use since this call began.
 void torchmem_reset_peak() {
-  counters.peak.store(counters.current.load(std::memory_order_relaxed),
-                      std::memory_order_relaxed);
+  counters.peak.store(counters.current.load());
+  raise_peak(counters.current.load());
 }
 
 // Adopts a CPU storage made by the default allocator before install (a c10::StorageImpl*,
 // which Python's UntypedStorage._cdata is): counts its bytes now and off when it dies.
-// Returns the bytes adopted,
-// 0 for a storage that is counted already or not the default allocator's.
+// Returns the bytes adopted, 0 for a storage that is counted already or not the default
+// allocator's; never throws.
+//
+// Call with the GIL held (ctypes.PyDLL), and a Python reference to the storage: it reads
+// and swaps the storage's DataPtr, which is no atomic object. The reference keeps the
+// storage alive; the GIL keeps every Python thread from starting what would change its
+// DataPtr meanwhile (resize_, set_), since operators are started from Python code; one
+// that another thread started before, still running without the GIL on this very storage,
+// is not kept out (nor is its tensor's use safe in PyTorch then). Taking adopted_mutex with
+// the GIL held cannot deadlock: no thread waits for the GIL holding it.
 int64_t torchmem_adopt(void* storage_impl) {
   auto* storage = static_cast<c10::StorageImpl*>(storage_impl);
   if (allocator == nullptr || storage->device_type() != c10::DeviceType::CPU) {
@@ -516,18 +735,30 @@ int64_t torchmem_adopt(void* storage_impl) {
   }
   {
     std::lock_guard<std::mutex> lock(adopted_mutex);
-    if (!ptr.compare_exchange_deleter(default_deleter, &delete_adopted)) {
+    // The size is in the table before delete_adopted can be the deleter: where the table
+    // has no memory for it, the storage is left as it was (not counted).
+    bool inserted = false;
+    try {
+      inserted = adopted_sizes.try_emplace(data, n).second;
+    } catch (...) {  // std::bad_alloc
       return 0;
     }
-    adopted_sizes[data] = n;
+    if (!inserted) {
+      return 0;  // adopted already
+    }
+    if (!ptr.compare_exchange_deleter(default_deleter, &delete_adopted)) {
+      adopted_sizes.erase(data);
+      return 0;
+    }
   }
   counters.adopted.fetch_add(n, std::memory_order_relaxed);
   grow(n);
   return n;
 }
 
-// Allocates and frees `n` bytes through PyTorch's CPU allocator and checks that the
-// counters saw both. Returns 0 when they did.
+// Allocates and frees `n` bytes through PyTorch's CPU allocator, as a DataPtr and through
+// the raw interface, and checks that the counters saw each, and that the data keeps c10's
+// alignment. Returns 0 when they did.
 int torchmem_self_test(int64_t n) {
   if (allocator == nullptr || c10::GetCPUAllocator() != allocator) {
     return 1;
@@ -536,11 +767,18 @@ int torchmem_self_test(int64_t n) {
   int64_t freed = counters.freed.load();
   {
     c10::DataPtr ptr = c10::GetCPUAllocator()->allocate(static_cast<size_t>(n));
-    if (counters.allocated.load() - allocated < n || ptr.get_deleter() != &delete_counted) {
+    if (counters.allocated.load() - allocated < n || ptr.get_deleter() != &delete_counted ||
+        reinterpret_cast<uintptr_t>(ptr.get()) % c10::gAlignment != 0) {
       return 2;
     }
   }
-  return counters.freed.load() - freed < n ? 3 : 0;
+  if (counters.freed.load() - freed < n) {
+    return 3;
+  }
+  allocated = counters.allocated.load();
+  freed = counters.freed.load();
+  c10::GetCPUAllocator()->raw_deallocate(c10::GetCPUAllocator()->raw_allocate(n));
+  return counters.allocated.load() - allocated < n || counters.freed.load() - freed < n ? 4 : 0;
 }
 
 // Starts a recording: clears the log and, with sites != 0, records each allocation's site.
@@ -633,23 +871,29 @@ int64_t torchmem_record_mark(void* ptr, int64_t category) {
   return storage.seq;
 }
 
-// Appends a row Python made (a mark, with its storage's size; a probe) to the log.
+// Appends a row Python made (a mark, with its storage's size; a probe) to the log; one
+// that finds no memory is dropped and counted (no C++ exception may reach ctypes).
 void torchmem_record_note(int64_t kind, int64_t ptr, int64_t size, int64_t site, int64_t ref) {
   std::lock_guard<std::mutex> lock(log_mutex);
-  if (recording.load(std::memory_order_relaxed)) {
+  if (recording.load(std::memory_order_relaxed) && room_for_a_row()) {
     events.push_back({now_ns(), ptr, size, site, ref, kind});
   }
 }
 
 // Adopts a storage made before the log started, alive still (its size from Python): a
-// row that names it from now on.
+// row that names it from now on. A row that finds no memory is dropped and counted.
 void torchmem_record_adopt(void* ptr, int64_t size) {
   std::lock_guard<std::mutex> lock(log_mutex);
-  if (!recording.load(std::memory_order_relaxed) || live.count(ptr)) {
+  if (!recording.load(std::memory_order_relaxed) || live.count(ptr) || !room_for_a_row()) {
     return;
   }
   const int64_t seq = taken + static_cast<int64_t>(events.size());
-  live[ptr] = {seq, kOtherCategory, generation};
+  try {
+    live.emplace(ptr, Live{seq, kOtherCategory, generation});
+  } catch (...) {  // std::bad_alloc: `live` is as it was
+    dropped_rows.fetch_add(1, std::memory_order_relaxed);
+    return;
+  }
   events.push_back({now_ns(), reinterpret_cast<int64_t>(ptr), size, kNoSite, seq, kAdopt});
 }
 

@@ -68,12 +68,16 @@ class CpuAllocatorLibrary:
         except OSError as exc:
             raise BuildError(f"cannot load {path}: {exc}") from None
         lib.torchmem_counters.restype = ctypes.c_void_p
-        lib.torchmem_adopt.restype = ctypes.c_int64
-        lib.torchmem_adopt.argtypes = [ctypes.c_void_p]
+        lib.torchmem_dropped_rows.restype = ctypes.c_void_p
         lib.torchmem_self_test.argtypes = [ctypes.c_int64]
         self._lib = lib
         # The recording's functions touch Python objects: called with the GIL held.
         self._py = ctypes.PyDLL(str(path))
+        # Adoption reads and swaps a storage's DataPtr: with the GIL held, no Python thread
+        # can start what would change it meanwhile (see torchmem_adopt).
+        self._adopt = self._py.torchmem_adopt
+        self._adopt.restype = ctypes.c_int64
+        self._adopt.argtypes = [ctypes.c_void_p]
         self._py.torchmem_record_start.argtypes = [ctypes.c_int, ctypes.py_object]
         self._py.torchmem_record_stop.restype = ctypes.c_int64
         self._py.torchmem_record_count.restype = ctypes.c_int64
@@ -116,9 +120,13 @@ class CpuAllocatorLibrary:
         """Restart the peak counter at the current bytes."""
         self.counters = (ctypes.c_int64 * len(COUNTERS)).from_address(lib.torchmem_counters())
         """The live counters, indexed as :data:`COUNTERS` names them (bytes, or counts)."""
+        self._dropped_rows = ctypes.c_int64.from_address(lib.torchmem_dropped_rows())
         code = lib.torchmem_install()
         if code:
-            raise BuildError(_INSTALL_ERRORS.get(code, f"install failed ({code})"))
+            # 2, 3: c10's default allocator is not the class, or does not allocate as,
+            # cpu_allocator.cpp relies on (a build of PyTorch it does not know).
+            reason = f"PyTorch's default CPU allocator is not as torchmem expects ({code})"
+            raise BuildError(_INSTALL_ERRORS.get(code, reason))
         try:
             self._self_test()
         except BuildError:
@@ -129,7 +137,14 @@ class CpuAllocatorLibrary:
         """Count a storage made before the allocator was installed (by its
         ``UntypedStorage._cdata``), until it dies; return the bytes adopted (0 for one
         counted already, or not made by PyTorch's CPU allocator)."""
-        return int(self._lib.torchmem_adopt(storage_key))
+        return int(self._adopt(storage_key))
+
+    def dropped_rows(self) -> int:
+        """Rows the log had no memory for since the library was installed (allocations,
+        frees, and the rows :meth:`note` and :attr:`adopt_row` add): each is left out of
+        the log, and the counters stay exact. A recording that lost some (the difference
+        of two readings) cannot be exact, and should say so."""
+        return int(self._dropped_rows.value)
 
     def record_start(self, sites: bool) -> int:
         """Start logging every allocation and free (see :meth:`take`), with the

@@ -1,0 +1,196 @@
+"""The counting CPU allocator keeps the contract of a c10 allocator: it never throws out of
+its bookkeeping or its deleters, its peak loses no concurrent growth, it adopts storages
+with the GIL held, and it places data where PyTorch's own allocator would."""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from standins import MiB
+from torchmem import meter
+from torchmem.meters import CpuAllocatorMeter
+
+linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux's limits")
+
+
+@pytest.fixture
+def counting(monkeypatch: pytest.MonkeyPatch, isolated_meters) -> Iterator[CpuAllocatorMeter]:
+    """The CPU meter on the counting allocator, with no garbage collection meanwhile: a
+    storage that a collection frees would move the numbers."""
+    monkeypatch.setenv("TORCHMEM_CPU_METER", "allocator")
+    m = meter("cpu")
+    assert isinstance(m, CpuAllocatorMeter)
+    gc.collect()
+    gc.disable()
+    try:
+        yield m
+    finally:
+        gc.enable()
+
+
+def run_python(code: str, **env: str) -> list[str]:
+    """Run `code` in a fresh interpreter; the words it printed."""
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **env},
+        timeout=300,
+    )
+    assert done.returncode == 0, (done.returncode, done.stdout, done.stderr[-3000:])
+    return done.stdout.split()
+
+
+# Bookkeeping that cannot get memory ---------------------------------------------------
+
+# The log grows by doubling: under an address-space limit 48 MiB above what the process
+# maps, it cannot grow past 2**18 rows of 48 bytes (24 MiB, while the old 12 MiB are held)
+# long before the small tensors themselves run out. The first row that finds no room is an
+# allocation's (2**18 is even); a row noted first makes it a free's, inside a deleter.
+OUT_OF_ROOM = """
+import gc, resource, sys, torch
+from torchmem.meters import native
+
+torch.set_num_threads(1)
+library = native.load()
+gc.collect()
+used, dropped = library.counters[0], library.dropped_rows()
+library.record_start(False)
+if sys.argv[1] == "free":
+    library.note(5, 0, 0, -1, -1)
+with open("/proc/self/statm") as statm:
+    mapped = int(statm.read().split()[0]) * resource.getpagesize()
+resource.setrlimit(resource.RLIMIT_AS, (mapped + 48 * 2**20, resource.RLIM_INFINITY))
+try:
+    for _ in range(2_000_000):
+        x = torch.empty(16)
+        del x
+        if library.dropped_rows() - dropped >= 2:
+            break
+finally:
+    resource.setrlimit(resource.RLIMIT_AS, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+library.record_stop()
+library.record_clear()
+print(library.dropped_rows() - dropped >= 2, library.counters[0] - used)
+"""
+
+
+@linux_only
+@pytest.mark.parametrize("first", ["allocation", "free"])
+def test_a_row_the_log_has_no_memory_for_is_dropped_and_counted(first):
+    # Before: std::bad_alloc out of torch.empty (its bytes counted, its block leaked), or
+    # std::terminate out of the deleter.
+    code = OUT_OF_ROOM.replace("sys.argv[1]", repr(first))
+    assert run_python(code) == ["True", "0"]
+
+
+def test_the_dropped_rows_start_at_zero_in_a_fresh_process():
+    code = (
+        "import torch\n"
+        "from torchmem.meters import native\n"
+        "library = native.load()\n"
+        "library.record_start(True)\n"
+        "x = torch.ones(1000); del x\n"
+        "library.record_stop()\n"
+        "print(library.dropped_rows())\n"
+    )
+    assert run_python(code) == ["0"]
+
+
+# The peak -----------------------------------------------------------------------------
+
+
+def test_a_window_over_threads_allocating_at_once_peaks_between_exact_bounds(counting):
+    # Each thread builds and frees its own live set over and over; every window opens (and
+    # so resets the peak) while they run, and waits for each thread to build its set whole
+    # inside it. The peak then reaches at least the largest set and never more than all.
+    sets = [[(k + 1) * 12_288] * 4 for k in range(4)]  # bytes of each thread's tensors
+    base = counting.used()
+    builds = [0] * len(sets)
+    stop = threading.Event()
+
+    def work(k: int) -> None:
+        while not stop.is_set():
+            held = [torch.empty(n, dtype=torch.uint8) for n in sets[k]]
+            del held
+            builds[k] += 1
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(len(sets))]
+    for thread in threads:
+        thread.start()
+    try:
+        for _ in range(300):
+            with counting.window() as window:
+                marks = list(builds)
+                while any(b < m + 2 for b, m in zip(builds, marks, strict=True)):
+                    time.sleep(0)
+                now = counting.used()
+                peak = window.peak()
+            assert now <= peak
+            assert base + max(map(sum, sets)) <= peak <= base + sum(map(sum, sets))
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join()
+    assert counting.used() == base
+
+
+# Adoption -----------------------------------------------------------------------------
+
+
+def test_adoption_is_called_with_the_gil_held(counting):
+    # ctypes.PyDLL's functions keep the GIL; ctypes.CDLL's release it.
+    assert counting.library._adopt._flags_ & ctypes._FUNCFLAG_PYTHONAPI  # type: ignore[attr-defined]
+
+
+def test_a_storage_made_before_the_meter_is_adopted_once():
+    code = (
+        "import torch, torchmem\n"
+        "t = torch.zeros(1000)\n"
+        "from torchmem.meters import native\n"
+        "library = native.load()\n"
+        "key = t.untyped_storage()._cdata\n"
+        "print(library.adopt(key), library.adopt(key))\n"
+    )
+    assert run_python(code) == ["4000", "0"]
+
+
+# Where the data lies ------------------------------------------------------------------
+
+PLACED = """
+import torch
+if {metered}:
+    import torchmem
+    m = torchmem.meter("cpu")
+    assert m.backend == "allocator", m.backend
+    start = m.used()
+t = torch.empty(4 * 2**20, dtype=torch.uint8)
+small = torch.empty(2**20, dtype=torch.uint8)
+print(t.data_ptr() % 4096, small.data_ptr() % 64)
+if {metered}:
+    print(m.used() - start)
+    del t, small
+    print(m.used() - start)
+"""
+
+
+@linux_only
+def test_huge_page_allocations_lie_where_pytorch_puts_them_and_count_exactly():
+    # With THP_MEM_ALLOC_ENABLE=1, c10 aligns allocations of 2 MiB and more to the page,
+    # so that the kernel can back them with huge pages: a header before the data moved it
+    # off the page (data_ptr() % 4096 was 64).
+    env = {"THP_MEM_ALLOC_ENABLE": "1", "TORCHMEM_CPU_METER": "allocator"}
+    plain = run_python(PLACED.format(metered=False), **env)
+    assert plain == ["0", "0"]
+    metered = run_python(PLACED.format(metered=True), **env)
+    assert metered == [*plain, str(5 * MiB), "0"]

@@ -590,3 +590,18 @@ def test_every_change_a_recording_makes_to_the_process_is_undone(ending: str) ->
     assert process_state() == before
     assert all(not p._post_accumulate_grad_hooks for p in model.parameters())
     assert all(not p._backward_hooks for p in model.parameters())
+
+
+def test_rows_the_log_had_no_memory_for_are_said_in_the_report(monkeypatch) -> None:
+    """The wiring, with a stand-in for the library's count of dropped rows (the library's
+    own dropping, out of memory, is tested in test_allocator_contract.py)."""
+    library = meter("cpu").library
+    readings = iter([5, 12])
+    monkeypatch.setattr(library, "dropped_rows", lambda: next(readings))
+    with record() as rec:
+        torch.zeros(1024)
+    notes = rec.report().notes
+    assert [n for n in notes if "could not be logged" in n] == [
+        "cpu: 7 allocations and frees could not be logged (out of memory): this device's"
+        " figures may be off (meter('cpu') itself stayed exact)."
+    ]

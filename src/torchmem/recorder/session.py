@@ -231,6 +231,12 @@ class Recording:
                     " highest use per interval and per module, and (for --snapshot) the"
                     f" last {tally.events - tally.dropped:,}."
                 )
+            if found.lost_rows:
+                notes.append(
+                    f"{found.device}: {found.lost_rows:,} allocations and frees could not be"
+                    " logged (out of memory): this device's figures may be off (meter('cpu')"
+                    " itself stayed exact)."
+                )
             if found.lost_notes:
                 notes.append(
                     f"{found.device}: the oldest {found.lost_notes:,} marks of what tensors"

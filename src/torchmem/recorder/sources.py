@@ -116,6 +116,8 @@ class Tallied:
     reserved_peak: int | None = None
     lost_notes: int = 0
     """Marks and probes too old to be kept (see :class:`~torchmem.recorder.notes.Notes`)."""
+    lost_rows: int = 0
+    """Rows the CPU log had no memory for (see :meth:`CpuAllocatorLibrary.dropped_rows`)."""
 
 
 def stream(events: np.ndarray, notes: Notes | None, device: str | None) -> np.ndarray:
@@ -297,15 +299,18 @@ class CpuLog:
             library = cpu.library
             self.stream = _streams.setdefault(id(library), CpuStream(library))
         self._tally: Tally | None = None
+        self._dropped = 0
 
     def start(self) -> None:
         assert self.stream is not None
+        self._dropped = self.stream.library.dropped_rows()
         self._tally = self.stream.open(self.sites and self.records_sites, self.meter.used)
 
     def stop(self) -> Tallied:
         assert self.stream is not None and self._tally is not None
         sites = self.stream.close(self._tally)
-        return Tallied("cpu", self._tally, sites)
+        lost = self.stream.library.dropped_rows() - self._dropped
+        return Tallied("cpu", self._tally, sites, lost_rows=lost)
 
 
 def _site(code: CodeType, line: int, stack: tuple[tuple[CodeType, int], ...]) -> SiteKey:

@@ -16,13 +16,14 @@ import tempfile
 from pathlib import Path
 
 from benchmarks import processes
-from benchmarks.long import CONTENDERS, environ
+from benchmarks.long import environ
 from benchmarks.processes import Run
 
 COUNT = 5_000_000
 """Allocations at full scale."""
 RSS_MIB = 64
 """Most MiB of peak RSS either torchmem contender may add to plain python's."""
+CONTENDERS = ("python", "torchmem run --no-sites", "torchmem run")
 SCRIPT = f"""
 import sys
 import time

@@ -347,13 +347,6 @@ LOCALS = textwrap.dedent(
 )
 
 
-@pytest.mark.xfail(
-    sys.version_info < (3, 13),
-    strict=False,
-    reason="Recording.__exit__ reads caller.f_locals: on Python up to 3.12 that stores a"
-    " dict of the calling function's locals in its frame, which keeps every tensor they"
-    " held at the block's exit alive after `del`, until the function returns",
-)
 def test_a_recording_in_a_function_keeps_none_of_its_locals_alive(tmp_path: Path) -> None:
     (tmp_path / "locals.py").write_text(LOCALS)
     code, output = run_child([sys.executable, "locals.py"], tmp_path, "locals", 300)

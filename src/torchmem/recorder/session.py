@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import inspect
 import json
+import sys
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from types import TracebackType
+from types import FrameType, TracebackType
 from typing import Any
 
 import torch
@@ -163,8 +165,7 @@ class Recording:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        caller = getframe(1)
-        self.stop({**caller.f_globals, **caller.f_locals})
+        self.stop(_variables_of(getframe(1)))
 
     def save_snapshot(self, path: str | Path) -> None:
         """Write what was recorded as a PyTorch memory snapshot (the pickle
@@ -287,4 +288,20 @@ def _variables(namespace: Mapping[str, object]) -> dict[int, str]:
                 continue
             if ptr:
                 found.setdefault(ptr, name)
+    return found
+
+
+def _variables_of(frame: FrameType) -> dict[str, object]:
+    """The variables `frame`'s code sees: its globals, and its locals over them.
+
+    Before Python 3.13, reading a function's ``f_locals`` leaves a snapshot of its locals
+    on the frame, which holds everything they held alive until the function returns (a
+    tensor ``del``-ed after the recording would not be freed): the snapshot is emptied
+    once read (the next read of it, ``locals()`` or a debugger's, takes it anew). A
+    module's, a class body's or ``exec``'s locals are the namespace itself: left alone.
+    """
+    local = frame.f_locals
+    found = {**frame.f_globals, **local}
+    if sys.version_info < (3, 13) and frame.f_code.co_flags & inspect.CO_OPTIMIZED:
+        local.clear()
     return found

@@ -206,3 +206,17 @@ def test_a_recording_below_the_processs_highest_is_sampled_and_says_so():
     assert found["after"] == found["before"]  # the program's own peak, untouched
     assert found["exact"] is False
     assert 100 * MiB - KERNEL_SLACK <= found["rise"] <= 108 * MiB
+
+
+@linux_only
+def test_a_window_inside_a_recording_is_sampled_and_says_so():
+    """While a recording keeps the kernel's mark, other windows cannot restart it: their
+    peaks are sampled, and the meter says so."""
+    m = meter("ram")
+    assert m.exact
+    release = m.keep_high_water_mark()
+    try:
+        assert not m.exact
+    finally:
+        release()
+    assert m.exact

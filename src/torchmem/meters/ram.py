@@ -41,7 +41,10 @@ class RamMeter(SampledMeter):
     @property
     def exact(self) -> bool:  # type: ignore[override]
         """Whether peaks are the kernel's, restarted for each window (Linux, where
-        ``/proc/self/clear_refs`` can be written: found out, by writing it, on first use)."""
+        ``/proc/self/clear_refs`` can be written: found out, by writing it, on first use),
+        and not sampled because a recording keeps the mark now."""
+        if self._keeping:  # first: the probe below writes clear_refs
+            return False
         if self._exact is None:
             self._exact = sys.platform == "linux" and _clear_refs()
         return self._exact
@@ -69,7 +72,7 @@ class RamMeter(SampledMeter):
         return release
 
     def _passive(self) -> bool:
-        return bool(self._keeping) or not self.exact
+        return not self.exact
 
     def _peaks(self) -> dict[str, int]:
         if not self._passive():

@@ -145,6 +145,61 @@ def test_a_window_over_threads_allocating_at_once_peaks_between_exact_bounds(cou
     assert counting.used() == base
 
 
+# Sites without the GIL ---------------------------------------------------------------
+
+# Thread B runs backward passes of a long chain over and over: autograd's engine runs them
+# in C++ with the GIL released, allocating a gradient at each node, each with its site.
+# The main thread then holds the GIL for 0.3 s in a C call. An allocator that took the GIL
+# to read the site would stop B's allocations until the call ends; ours must not wait.
+WHILE_ANOTHER_HOLDS_THE_GIL = """
+import ctypes, threading, time, torch
+from torchmem.meters import native
+from torchmem.recorder.tally import ALLOC, KIND, SITE
+
+torch.set_num_threads(1)
+library = native.load()
+assert library.records_sites
+hold_the_gil = ctypes.PyDLL(None).usleep  # a PyDLL call keeps the GIL
+hold_the_gil.argtypes = [ctypes.c_uint]
+x = torch.randn(64, requires_grad=True)
+y = x
+for _ in range(3000):
+    y = y * 1.0001
+loss = y.sum()
+done = threading.Event()
+
+def passes():
+    while not done.is_set():
+        loss.backward(retain_graph=True)
+
+library.record_start(True)
+worker = threading.Thread(target=passes)
+worker.start()
+inside = []
+for _ in range(3):  # B may be between two passes, needing the GIL itself: again
+    time.sleep(0.1)
+    start = time.monotonic_ns()
+    hold_the_gil(300_000)
+    inside.append((start + 10**7, start + 29 * 10**7))  # surely within the call
+done.set()
+worker.join()
+library.record_stop()
+rows = library.take(10**8)
+library.record_clear()
+allocs = rows[rows[:, KIND] == ALLOC]
+made = [int(((allocs[:, 0] > a) & (allocs[:, 0] < b)).sum()) for a, b in inside]
+sited = int((allocs[:, SITE] >= 0).sum())
+print(max(made), sited, len(allocs))
+"""
+
+
+@linux_only
+def test_an_allocation_never_waits_for_the_gil_to_name_its_site():
+    made, sited, allocations = map(int, run_python(WHILE_ANOTHER_HOLDS_THE_GIL))
+    assert made > 0  # allocations, with their sites, while the main thread held the GIL
+    assert sited == allocations  # every one named by B's Python stack
+
+
 # Adoption -----------------------------------------------------------------------------
 
 

@@ -7,8 +7,10 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
+from types import FrameType
 
 import pytest
 import torch
@@ -16,7 +18,8 @@ from torch import nn
 
 import torchmem
 from standins import MiB
-from torchmem.meters import meter
+from torchmem.meters import CpuAllocatorMeter, meter
+from torchmem.meters.native import CpuAllocatorLibrary
 from torchmem.recorder.analysis import Names, device_run
 from torchmem.recorder.hooks import Watcher
 from torchmem.recorder.notes import Notes, Tree
@@ -29,6 +32,7 @@ from torchmem.records.frames import (
     NO_PYTHON,
     OTHER,
     USER,
+    code_name,
     kind,
     stack_site,
 )
@@ -100,24 +104,26 @@ def python_of(listed: list[dict[str, object]]) -> tuple[tuple[str, int, str], ..
     return tuple(f for f in frames_of(listed) if f[1])
 
 
-@pytest.mark.parametrize(
-    ("file", "function", "expected"),
-    [
-        (MODEL, "forward", USER),
-        ("/tmp/ipykernel_12/3456.py", "<module>", USER),  # a Jupyter cell
-        ("<stdin>", "<module>", USER),
-        (f"{ENV}/einops/_backends.py", "einsum", LIBRARY),
-        ("/usr/lib/python3/dist-packages/numpy/core/numeric.py", "zeros_like", LIBRARY),
-        (f"{ENV}/torch/nn/modules/module.py", "_call_impl", OTHER),
-        ("/opt/conda/lib/python3.11/threading.py", "run", OTHER),
-        ("/tmp/torchinductor_me/ab/cabcdef.py", "call", OTHER),
-        ("<eval_with_key>.3", "forward", OTHER),
-        ("<string>", "f", OTHER),
-        ("<frozen runpy>", "_run_code", OTHER),
-        ("/home/u/src/torchmem/recorder/session.py", "stop", OTHER),
-        (f"{ENV}/torch/autograd/graph.py", "_engine_run_backward", ENGINE),
-    ],
-)
+FRAME_KINDS = [
+    (MODEL, "forward", USER),
+    ("/tmp/ipykernel_12/3456.py", "<module>", USER),  # a Jupyter cell
+    ("<stdin>", "<module>", USER),
+    ("/home/zoë/ππ/実験.py", "λ", USER),  # beyond ASCII
+    (f"{ENV}/einops/_backends.py", "einsum", LIBRARY),
+    ("/usr/lib/python3/dist-packages/numpy/core/numeric.py", "zeros_like", LIBRARY),
+    (f"{ENV}/torch/nn/modules/module.py", "_call_impl", OTHER),
+    ("/opt/conda/lib/python3.11/threading.py", "run", OTHER),
+    ("/tmp/torchinductor_me/ab/cabcdef.py", "call", OTHER),
+    ("<eval_with_key>.3", "forward", OTHER),
+    ("<string>", "f", OTHER),
+    ("<frozen runpy>", "_run_code", OTHER),
+    ("/home/u/src/torchmem/recorder/session.py", "stop", OTHER),
+    (f"{ENV}/torch/autograd/graph.py", "_engine_run_backward", ENGINE),
+]
+"""Frames of each kind: (file, function, kind)."""
+
+
+@pytest.mark.parametrize(("file", "function", "expected"), FRAME_KINDS)
 def test_what_a_frame_is(file: str, function: str, expected: int) -> None:
     assert kind(file, function) == expected
 
@@ -277,6 +283,61 @@ def test_the_cpu_log_names_the_users_line_that_called_an_installed_package(
     library = os.path.join(os.path.dirname(installed_library.__file__), "__init__.py")  # type: ignore[attr-defined]
     assert (top.file, top.line, top.function, top.bytes) == (__file__, line, "users_line", 4 * MiB)
     assert top.stack[:2] == ((library, 5, "make"), (__file__, line, "users_line"))
+
+
+def cpu_library() -> CpuAllocatorLibrary:
+    found = meter("cpu")
+    assert isinstance(found, CpuAllocatorMeter)
+    return found.library
+
+
+def python_stack(frame: FrameType | None) -> list[tuple[str, int, str, int]]:
+    """A stack as the library's check_walk gives it, read through Python's frame objects."""
+    shown = []
+    while frame is not None:
+        code = frame.f_code
+        shown.append(
+            (
+                code.co_filename,
+                frame.f_lineno,
+                code_name(code),
+                kind(code.co_filename, code.co_name),
+            )
+        )
+        frame = frame.f_back
+    return shown
+
+
+@needs_allocator
+@pytest.mark.parametrize(("file", "function", "expected"), FRAME_KINDS)
+def test_the_allocators_walk_tells_what_a_frame_is_by_the_same_rule(
+    file: str, function: str, expected: int
+) -> None:
+    namespace = {"library": cpu_library()}
+    exec(compile("def probe():\n    return library.check_walk()\n", file, "exec"), namespace)
+    probe = namespace["probe"]
+    names = {"co_qualname": function} if sys.version_info >= (3, 11) else {}
+    probe.__code__ = probe.__code__.replace(co_name=function, **names)  # type: ignore[attr-defined]
+    walked = probe()  # type: ignore[operator]
+    assert walked[1] == (file, 2, function, expected)
+
+
+def walked_and_shown() -> Iterator[
+    tuple[list[tuple[str, int, str, int]], list[tuple[str, int, str, int]]]
+]:
+    library = cpu_library()
+    yield library.check_walk()[1:], python_stack(sys._getframe())
+
+
+@needs_allocator
+def test_the_allocators_walk_reads_the_stack_python_shows_in_generators_and_threads() -> None:
+    found: list[object] = []
+    worker = threading.Thread(target=lambda: found.extend(walked_and_shown()))
+    worker.start()
+    worker.join()
+    for walked, shown in [*walked_and_shown(), *found]:  # type: ignore[misc]
+        assert walked == shown
+        assert walked[0][2] == "walked_and_shown"
 
 
 class Block(nn.Module):

@@ -47,23 +47,32 @@
 //   (adoption). A storage's DataPtr changes only inside operators (resize_, set_), which
 //   Python code starts: adoption holds the GIL.
 //
-// CPython, where TORCHMEM_PYTHON: see the notes above python_site. In short: the GIL
-// guards the sites' tables (a build without the GIL records no sites); the functions that
-// touch Python objects are called with it held (ctypes.PyDLL); a thread that Python does
-// not know is never given a thread state.
+// CPython, where TORCHMEM_PYTHON: see the notes above python_site. In short: a site is
+// read from the allocating thread's own frames without the GIL, into C++ tables under a
+// mutex of their own; the functions that make Python objects are called with the GIL
+// held (ctypes.PyDLL); a thread that Python does not know is never given a thread state.
 //
 // The platform: std::mutex and the C++ library do not throw except std::bad_alloc, and
 // std::mutex::lock does not fail on a mutex of this file (a thread never takes one it
 // holds).
 
 #ifdef TORCHMEM_PYTHON
+#define PY_SSIZE_T_CLEAN
 #include <Python.h>  // first, as Python asks
 #if PY_VERSION_HEX < 0x030B0000
 #include <frameobject.h>  // PyFrame_GetLineNumber: in Python.h from 3.11 on
 #endif
-#ifdef Py_GIL_DISABLED
-// The sites' tables are guarded by the GIL: a Python without one records no sites.
+#if defined(Py_GIL_DISABLED) || PY_VERSION_HEX >= 0x030E0000
+// The frame walk (see python_site) knows the frames of Python 3.10 to 3.13 with the GIL:
+// another Python records no sites.
 #undef TORCHMEM_PYTHON
+#elif PY_VERSION_HEX >= 0x030B0000
+#if PY_VERSION_HEX >= 0x030C0000
+#undef _PyGC_FINALIZED  // python/cpython#105268: core and non-core headers mixed (3.12)
+#endif
+#define Py_BUILD_CORE 1
+#include <internal/pycore_frame.h>  // the frames' layout, as PyTorch's own C++ reads it
+#undef Py_BUILD_CORE
 #endif
 #endif
 
@@ -82,7 +91,9 @@
 #include <cstring>
 #include <mutex>
 #include <new>
+#include <regex>
 #include <string>
+#include <tuple>
 #include <typeinfo>
 #include <unordered_map>
 #include <utility>
@@ -212,204 +223,307 @@ inline int64_t now_ns() {
 }
 
 #ifdef TORCHMEM_PYTHON
-// Guarded by the GIL, not by log_mutex: a thread never waits for the GIL holding it.
+// Sites, without the GIL.
 //
-// The GIL: PyTorch's Python bindings release it around every operator, so an allocation
-// made from Python code usually runs without it. A thread that Python knows takes it back
-// for the walk (as PyTorch's own allocator history does to gather Python stacks); its
-// stack cannot change meanwhile, since the thread is here. It is taken while the allocator
-// holds none of its locks (record_alloc takes log_mutex after), so no thread waiting for
-// one of them can hold the GIL. A thread Python does not know (intra-op workers) is never
-// given a thread state: its allocations get kNoPython.
+// An allocation's site is read from the allocating thread's own Python stack, and the
+// allocator never waits for the GIL to do so: PyTorch's bindings release it around every
+// operator, and a thread that holds it may be waiting for a lock that the allocating
+// thread's caller holds (the lock order behind pytorch#97833). So the walk uses no
+// function of the Python C API that needs the GIL, touches no reference count, and
+// allocates no Python object; what it learns is kept in C++ tables under sites_mutex, a
+// lock under which nothing else is taken and no Python code runs.
 //
-// CPython invariants relied on, the GIL held: no Python code runs here. The rule is called
-// through re.Pattern.match, a C function that never releases the GIL; code objects'
-// co_filename and co_name are plain members; the cyclic collector, whose finalizers could
-// run Python code (and release the GIL), is paused while the stack is read. Nothing in
-// here throws: a failed allocation of the tables below gives kNoFrame. A thread that asks
-// for the GIL while Python finalizes (a daemon thread) is ended there by CPython, with
-// pthread_exit: it holds none of the allocator's locks then, and nothing on its way out is
-// noexcept (see record_alloc).
+// CPython invariants relied on:
+// - PyGILState_GetThisThreadState() reads a thread-local: this thread's state, null for a
+//   thread Python does not know (intra-op workers: their allocations get kNoPython).
+// - A thread's frames change only in that thread: while it is here, inside a C function
+//   its Python code called, its frames, and the code objects they hold, stay as they are.
+// - The frames' layout is the interpreter's own: 3.11 to 3.13's internal pycore_frame.h,
+//   which PyTorch's own C++ includes as this file does, and 3.10's public frame objects
+//   (a Python of another version records no sites). torchmem_check_walk compares the walk
+//   with the stack that sys._getframe shows, at load: a library that fails it records no
+//   sites.
+// - A code object's co_filename, co_name, co_qualname, co_firstlineno and line table never
+//   change; a str is read through its immutable fields (PyUnicode_DATA); PyCode_Addr2Line
+//   only reads. A code object is known in the cache by its address, checked against its
+//   names and first line on each use: a new code object at a dead one's address, with
+//   other names, is read anew.
+// - While Python finalizes, the states of daemon threads are freed: no walk then.
 constexpr int kUser = 0;  // the kinds of torchmem.records.frames, Match.lastindex of its rule
 constexpr int kEngine = 1;
 constexpr int kOther = 2;
 constexpr int kLibrary = 3;
+constexpr size_t kLongestText = 8192;  // longer "file\nfunction" texts are kOther unread
 
-struct CodeHash {
-  size_t operator()(const std::pair<PyObject*, int>& key) const {
-    return std::hash<void*>()(key.first) * 31 + static_cast<size_t>(key.second);
+#if PY_VERSION_HEX >= 0x030B0000
+using Frame = _PyInterpreterFrame;
+
+inline Frame* innermost_frame(PyThreadState* state) {
+#if PY_VERSION_HEX >= 0x030D0000
+  return state->current_frame;
+#else
+  return state->cframe == nullptr ? nullptr : state->cframe->current_frame;
+#endif
+}
+inline Frame* outer_frame(Frame* frame) { return frame->previous; }
+inline PyCodeObject* code_of(Frame* frame) {
+#if PY_VERSION_HEX >= 0x030D0000
+  return reinterpret_cast<PyCodeObject*>(frame->f_executable);
+#else
+  return frame->f_code;
+#endif
+}
+// A frame Python's own tracebacks pass over: one being set up, or the C stack's shim.
+inline bool passed_over(Frame* frame) { return _PyFrame_IsIncomplete(frame); }
+inline int line_of(Frame* frame) {
+  return PyCode_Addr2Line(code_of(frame),
+                          _PyInterpreterFrame_LASTI(frame) * static_cast<int>(sizeof(_Py_CODEUNIT)));
+}
+#else
+using Frame = PyFrameObject;  // 3.10: the frames are frame objects, public
+
+inline Frame* innermost_frame(PyThreadState* state) { return state->frame; }
+inline Frame* outer_frame(Frame* frame) { return frame->f_back; }
+inline PyCodeObject* code_of(Frame* frame) { return frame->f_code; }
+inline bool passed_over(Frame*) { return false; }
+inline int line_of(Frame* frame) { return PyFrame_GetLineNumber(frame); }
+#endif
+
+inline bool finalizing() {
+#if PY_VERSION_HEX >= 0x030D0000
+  return Py_IsFinalizing();
+#else
+  return _Py_IsFinalizing();
+#endif
+}
+
+// What the cache knows of a code object; `kind` is -1 until the rule read it.
+struct CodeInfo {
+  PyObject* file;
+  PyObject* name;
+  PyObject* function;  // co_qualname from 3.11 on, else co_name
+  int first_line;
+  int kind;
+  int32_t file_id;
+  int32_t function_id;
+};
+// A frame of a site's stack: texts by their number in `texts`.
+struct SiteFrame {
+  int32_t file;
+  int32_t function;
+  int32_t line;
+  bool operator==(const SiteFrame& other) const {
+    return file == other.file && function == other.function && line == other.line;
   }
 };
-using Frames = std::vector<std::pair<PyObject*, int>>;  // (code object, line), owned
-PyObject* rule = nullptr;  // torchmem.records.frames.pattern().match, owned
-std::unordered_map<PyObject*, int>& code_kinds = *new std::unordered_map<PyObject*, int>();
-std::unordered_map<std::pair<PyObject*, int>, int64_t, CodeHash>& site_ids =
-    *new std::unordered_map<std::pair<PyObject*, int>, int64_t, CodeHash>();
-std::vector<std::pair<PyObject*, int>>& sites = *new std::vector<std::pair<PyObject*, int>>();
-std::vector<Frames>& stacks = *new std::vector<Frames>();  // each site's first stack
+struct SiteHash {
+  size_t operator()(const SiteFrame& key) const {
+    return (static_cast<size_t>(key.file) * 1000003u ^ static_cast<size_t>(key.function)) *
+               31u +
+           static_cast<size_t>(key.line);
+  }
+};
 
-// What a code object is, by the rule on "co_filename\nco_name" (none: the user's).
-int kind_of(PyObject* code) {
-  auto known = code_kinds.find(code);
-  if (known != code_kinds.end()) {
-    return known->second;
-  }
-  int kind = kOther;
-  PyObject* file = PyObject_GetAttrString(code, "co_filename");
-  PyObject* name = file ? PyObject_GetAttrString(code, "co_name") : nullptr;
-  PyObject* text = name ? PyUnicode_FromFormat("%U\n%U", file, name) : nullptr;
-  PyObject* found = text && rule ? PyObject_CallOneArg(rule, text) : nullptr;
-  if (found == Py_None) {
-    kind = kUser;
-  } else if (found != nullptr) {
-    PyObject* index = PyObject_GetAttrString(found, "lastindex");
-    const long group = index && PyLong_Check(index) ? PyLong_AsLong(index) : -1;
-    kind = group >= kEngine && group <= kLibrary ? static_cast<int>(group) : kOther;
-    Py_XDECREF(index);
-  }
-  PyErr_Clear();
-  Py_XDECREF(found);
-  Py_XDECREF(text);
-  Py_XDECREF(name);
-  Py_XDECREF(file);
-  try {
-    code_kinds.emplace(code, kind);
-    Py_INCREF(code);  // held while cached: the address cannot be reused meanwhile
-  } catch (...) {
-  }
-  return kind;
-}
+std::mutex& sites_mutex = *new std::mutex();
+// All of these under sites_mutex.
+std::regex* rule = nullptr;  // torchmem.records.frames.pattern(), as ECMAScript
+std::unordered_map<PyObject*, CodeInfo>& code_infos = *new std::unordered_map<PyObject*, CodeInfo>();
+std::vector<std::string>& texts = *new std::vector<std::string>();
+std::unordered_map<std::string, int32_t>& text_ids = *new std::unordered_map<std::string, int32_t>();
+std::unordered_map<SiteFrame, int64_t, SiteHash>& site_ids =
+    *new std::unordered_map<SiteFrame, int64_t, SiteHash>();
+std::vector<SiteFrame>& sites = *new std::vector<SiteFrame>();
+std::vector<int>& site_kinds = *new std::vector<int>();
+std::vector<std::vector<SiteFrame>>& stacks = *new std::vector<std::vector<SiteFrame>>();
 
-// The Python stack from `frame` outwards, innermost first.
-Frames stack_of(PyFrameObject* frame) {
-  Frames found;
-  Py_XINCREF(frame);
-  while (frame != nullptr) {
-    PyObject* code = reinterpret_cast<PyObject*>(PyFrame_GetCode(frame));
-    found.emplace_back(code, PyFrame_GetLineNumber(frame));
-    PyFrameObject* back = PyFrame_GetBack(frame);
-    Py_DECREF(frame);
-    frame = back;
+// A str as UTF-8 (lone surrogates as U+FFFD), through its immutable fields only.
+std::string utf8_of(PyObject* text) {
+  std::string out;
+  if (text == nullptr || !PyUnicode_Check(text)) {
+    return out;
   }
-  return found;
-}
-
-// The site index of `chosen`'s line; a new site keeps the stack from `innermost` out.
-int64_t intern(PyFrameObject* chosen, PyFrameObject* innermost) {
-  PyObject* code = reinterpret_cast<PyObject*>(PyFrame_GetCode(chosen));
-  auto key = std::make_pair(code, PyFrame_GetLineNumber(chosen));
-  int64_t id = kNoFrame;
-  try {
-    auto found = site_ids.find(key);
-    if (found != site_ids.end()) {
-      id = found->second;
-    } else {
-      Frames stack;
-      try {
-        stack = stack_of(innermost);
-      } catch (...) {  // its codes' references leak: the stack is only an example
-      }
-      sites.reserve(sites.size() + 1);
-      stacks.reserve(stacks.size() + 1);
-      site_ids.emplace(key, static_cast<int64_t>(sites.size()));
-      id = static_cast<int64_t>(sites.size());
-      sites.push_back(key);
-      stacks.push_back(std::move(stack));
-      return id;  // the site keeps the reference to its code
+#if PY_VERSION_HEX < 0x030C0000
+  if (!PyUnicode_IS_READY(text)) {
+    return out;
+  }
+#endif
+  const int kind = PyUnicode_KIND(text);
+  const void* data = PyUnicode_DATA(text);
+  const Py_ssize_t n = PyUnicode_GET_LENGTH(text);
+  out.reserve(static_cast<size_t>(n));
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    Py_UCS4 c = PyUnicode_READ(kind, data, i);
+    if (c >= 0xD800 && c <= 0xDFFF) {
+      c = 0xFFFD;
     }
-  } catch (...) {
-    id = kNoFrame;
+    if (c < 0x80) {
+      out += static_cast<char>(c);
+    } else if (c < 0x800) {
+      out += static_cast<char>(0xC0 | (c >> 6));
+      out += static_cast<char>(0x80 | (c & 0x3F));
+    } else if (c < 0x10000) {
+      out += static_cast<char>(0xE0 | (c >> 12));
+      out += static_cast<char>(0x80 | ((c >> 6) & 0x3F));
+      out += static_cast<char>(0x80 | (c & 0x3F));
+    } else {
+      out += static_cast<char>(0xF0 | (c >> 18));
+      out += static_cast<char>(0x80 | ((c >> 12) & 0x3F));
+      out += static_cast<char>(0x80 | ((c >> 6) & 0x3F));
+      out += static_cast<char>(0x80 | (c & 0x3F));
+    }
   }
-  Py_DECREF(code);
+  return out;
+}
+
+int32_t text_id(std::string text) {
+  auto found = text_ids.find(text);
+  if (found != text_ids.end()) {
+    return found->second;
+  }
+  const auto id = static_cast<int32_t>(texts.size());
+  texts.reserve(texts.size() + 1);
+  text_ids.emplace(text, id);
+  texts.push_back(std::move(text));
   return id;
+}
+
+// What the cache knows of `code`, read anew where it is new at its address. May throw
+// std::bad_alloc.
+CodeInfo& info_of(PyCodeObject* code) {
+  PyObject* key = reinterpret_cast<PyObject*>(code);
+#if PY_VERSION_HEX >= 0x030B0000
+  PyObject* function = code->co_qualname;
+#else
+  PyObject* function = code->co_name;
+#endif
+  auto found = code_infos.find(key);
+  if (found != code_infos.end()) {
+    CodeInfo& known = found->second;
+    if (known.file == code->co_filename && known.name == code->co_name &&
+        known.function == function && known.first_line == code->co_firstlineno) {
+      return known;
+    }
+    code_infos.erase(found);
+  }
+  CodeInfo info{code->co_filename, code->co_name, function, code->co_firstlineno, -1,
+                text_id(utf8_of(code->co_filename)), text_id(utf8_of(function))};
+  return code_infos.emplace(key, info).first->second;
+}
+
+// What a frame of `file` running `function` is, by `pattern` (no match: the user's).
+int kind_by(const std::regex* pattern, const std::string& file, const std::string& function) {
+  const std::string text = file + "\n" + function;
+  std::smatch found;
+  if (pattern == nullptr || text.size() > kLongestText) {
+    return kOther;
+  }
+  if (!std::regex_search(text, found, *pattern, std::regex_constants::match_continuous)) {
+    return kUser;
+  }
+  return found[kEngine].matched ? kEngine : found[kLibrary].matched ? kLibrary : kOther;
+}
+
+// What a code object is, by the rule on its co_filename and co_name.
+int kind_of(PyCodeObject* code, CodeInfo& info) {
+  if (info.kind < 0) {
+    info.kind = kind_by(rule, texts[static_cast<size_t>(info.file_id)], utf8_of(code->co_name));
+  }
+  return info.kind;
+}
+
+SiteFrame site_frame_of(Frame* frame) {
+  const CodeInfo& info = info_of(code_of(frame));
+  return {info.file_id, info.function_id, line_of(frame)};
 }
 
 // The site of this allocation: walking out from the innermost frame, the first of the
 // user's code or of autograd engine's entry point, else the first of an installed
-// package, else the first (torchmem.records.frames.choose).
-int64_t python_site() {
-  if (!Py_IsInitialized()) {
+// package, else the first (torchmem.records.frames.choose). A new site keeps the stack.
+int64_t python_site() noexcept {
+  if (!Py_IsInitialized() || finalizing()) {
     return kNoPython;
   }
-  const bool held = PyGILState_Check();
-  PyGILState_STATE state{};
-  if (!held) {
-    if (PyGILState_GetThisThreadState() == nullptr) {
-      return kNoPython;
+  PyThreadState* state = PyGILState_GetThisThreadState();
+  if (state == nullptr) {
+    return kNoPython;
+  }
+  std::lock_guard<std::mutex> lock(sites_mutex);
+  try {
+    Frame* innermost = nullptr;
+    Frame* library = nullptr;
+    Frame* chosen = nullptr;
+    int kind = kOther;
+    for (Frame* frame = innermost_frame(state); frame != nullptr; frame = outer_frame(frame)) {
+      if (passed_over(frame)) {
+        continue;
+      }
+      if (innermost == nullptr) {
+        innermost = frame;
+      }
+      PyCodeObject* code = code_of(frame);
+      kind = kind_of(code, info_of(code));
+      if (kind == kUser || kind == kEngine) {
+        chosen = frame;
+        break;
+      }
+      if (kind == kLibrary && library == nullptr) {
+        library = frame;
+      }
     }
-    state = PyGILState_Ensure();
-  }
-  PyObject *type = nullptr, *value = nullptr, *traceback = nullptr;
-  PyErr_Fetch(&type, &value, &traceback);
-#if PY_VERSION_HEX >= 0x030A0000
-  const int collecting = PyGC_Disable();
-#endif
-  PyFrameObject* innermost = PyEval_GetFrame();  // borrowed
-  PyFrameObject* frame = innermost;
-  PyFrameObject* library = nullptr;
-  PyFrameObject* chosen = nullptr;
-  Py_XINCREF(frame);
-  while (frame != nullptr) {
-    PyObject* code = reinterpret_cast<PyObject*>(PyFrame_GetCode(frame));
-    const int kind = kind_of(code);
-    Py_DECREF(code);
-    if (kind == kUser || kind == kEngine) {
-      Py_XDECREF(library);
-      chosen = frame;
-      break;
+    if (chosen == nullptr) {
+      chosen = library != nullptr ? library : innermost;
+      if (chosen == nullptr) {
+        return kNoFrame;
+      }
+      kind = kind_of(code_of(chosen), info_of(code_of(chosen)));
     }
-    if (kind == kLibrary && library == nullptr) {
-      Py_INCREF(frame);
-      library = frame;
+    const SiteFrame key = site_frame_of(chosen);
+    auto found = site_ids.find(key);
+    if (found != site_ids.end()) {
+      return found->second;
     }
-    PyFrameObject* back = PyFrame_GetBack(frame);
-    Py_DECREF(frame);
-    frame = back;
-  }
-  if (chosen == nullptr) {
-    chosen = library;
-    if (chosen == nullptr && innermost != nullptr) {
-      Py_INCREF(innermost);
-      chosen = innermost;
+    std::vector<SiteFrame> stack;
+    for (Frame* frame = innermost; frame != nullptr; frame = outer_frame(frame)) {
+      if (!passed_over(frame)) {
+        stack.push_back(site_frame_of(frame));
+      }
     }
+    const auto id = static_cast<int64_t>(sites.size());
+    sites.reserve(sites.size() + 1);
+    site_kinds.reserve(site_kinds.size() + 1);
+    stacks.reserve(stacks.size() + 1);
+    site_ids.emplace(key, id);
+    sites.push_back(key);
+    site_kinds.push_back(kind);
+    stacks.push_back(std::move(stack));
+    return id;
+  } catch (...) {  // std::bad_alloc, std::regex_error: this allocation has no site
+    return kNoFrame;
   }
-  int64_t site = kNoFrame;
-  if (chosen != nullptr) {
-    site = intern(chosen, innermost);
-    Py_DECREF(chosen);
-  }
-#if PY_VERSION_HEX >= 0x030A0000
-  if (collecting) {
-    PyGC_Enable();
-  }
-#endif
-  PyErr_Restore(type, value, traceback);
-  if (!held) {
-    PyGILState_Release(state);
-  }
-  return site;
 }
 
-void clear_sites() {
-  for (auto& [code, line] : sites) {
-    Py_DECREF(code);
-  }
-  for (auto& stack : stacks) {
-    for (auto& [code, line] : stack) {
-      Py_DECREF(code);
+// Forgets every site, and reads code objects by `pattern` from now on (none: no rule).
+void reset_sites(const char* pattern) {
+  std::regex* compiled = nullptr;
+  if (pattern != nullptr) {
+    try {
+      compiled = new std::regex(pattern, std::regex::ECMAScript | std::regex::optimize);
+    } catch (...) {  // a rule std::regex cannot read: every code is kOther
     }
   }
-  for (auto& [code, kind] : code_kinds) {
-    Py_DECREF(code);
-  }
-  sites.clear();
-  stacks.clear();
+  std::lock_guard<std::mutex> lock(sites_mutex);
+  delete rule;
+  rule = compiled;
+  code_infos.clear();
+  texts.clear();
+  text_ids.clear();
   site_ids.clear();
-  code_kinds.clear();
-  Py_CLEAR(rule);
+  sites.clear();
+  site_kinds.clear();
+  stacks.clear();
 }
 #else
-int64_t python_site() { return kNoSite; }
+int64_t python_site() noexcept { return kNoSite; }
 #endif
 
 // Room for one more row, or false (the row is dropped, and counted). Grows the log by
@@ -430,10 +544,8 @@ bool room_for_a_row() noexcept {
 
 // Logs an allocation. Never throws (it runs inside allocate(), after the counters): a row
 // that finds no memory (for itself or its entry in `live`) is dropped and counted. Its free
-// then names no allocation, as a free of a storage made before the recording does. Not
-// noexcept: python_site's PyGILState_Ensure ends a thread that finds Python finalizing
-// with pthread_exit, whose unwinding a noexcept function would turn into std::terminate.
-void record_alloc(void* data, int64_t n) {
+// then names no allocation, as a free of a storage made before the recording does.
+void record_alloc(void* data, int64_t n) noexcept {
   const int64_t site = recording.load(std::memory_order_relaxed) == 2 ? python_site() : kNoSite;
   std::lock_guard<std::mutex> lock(log_mutex);
   if (!recording.load(std::memory_order_relaxed) || !room_for_a_row()) {
@@ -782,25 +894,20 @@ int torchmem_self_test(int64_t n) {
 }
 
 // Starts a recording: clears the log and, with sites != 0, records each allocation's site.
-// `match` is the rule that tells what a code object is (torchmem.records.frames.pattern's
-// match method). Call with the GIL held (ctypes.PyDLL).
+// `pattern` is the rule that tells what a code object is (torchmem.records.frames.pattern,
+// read as ECMAScript).
+void torchmem_record_start(int with_sites, const char* pattern) {
 #ifdef TORCHMEM_PYTHON
-void torchmem_record_start(int with_sites, PyObject* match) {
+  reset_sites(pattern);
 #else
-void torchmem_record_start(int with_sites, void*) {
+  (void)pattern;
+  with_sites = 0;
 #endif
   std::lock_guard<std::mutex> lock(log_mutex);
   events.clear();
   live.clear();
   taken = 0;
   ++generation;
-#ifdef TORCHMEM_PYTHON
-  clear_sites();
-  Py_XINCREF(match);
-  rule = match;
-#else
-  with_sites = 0;
-#endif
   recording.store(with_sites ? 2 : 1);
 }
 
@@ -907,26 +1014,96 @@ int torchmem_record_has_sites() {
 }
 
 #ifdef TORCHMEM_PYTHON
-// Site i as a new (code object, line, stack) tuple, the stack a tuple of (code object,
-// line), innermost first; None for no such site. Call with the GIL held.
+// (file, line, function) as a new tuple, texts decoded as Python decodes UTF-8.
+static PyObject* frame_tuple(const std::string& file, int line, const std::string& function) {
+  return Py_BuildValue("(s#is#)", file.data(), static_cast<Py_ssize_t>(file.size()), line,
+                       function.data(), static_cast<Py_ssize_t>(function.size()));
+}
+
+// Site i as a new (kind, frame, stack) tuple: the kind of torchmem.records.frames of the
+// frame that names it, that frame as (file, line, function), and the Python stack first
+// seen there, as such frames, innermost first; None for no such site. Call with the GIL
+// held. What it reads is copied out under sites_mutex first: building Python objects can
+// run a collection, whose finalizers may allocate.
 PyObject* torchmem_record_site(int64_t i) {
-  if (i < 0 || i >= static_cast<int64_t>(sites.size())) {
-    Py_RETURN_NONE;
+  int kind = kOther;
+  std::vector<std::tuple<std::string, int, std::string>> frames;
+  try {
+    std::lock_guard<std::mutex> lock(sites_mutex);
+    if (i < 0 || i >= static_cast<int64_t>(sites.size())) {
+      Py_RETURN_NONE;
+    }
+    kind = site_kinds[static_cast<size_t>(i)];
+    const auto text = [](int32_t id) { return texts[static_cast<size_t>(id)]; };
+    const SiteFrame& site = sites[static_cast<size_t>(i)];
+    frames.emplace_back(text(site.file), site.line, text(site.function));
+    for (const SiteFrame& frame : stacks[static_cast<size_t>(i)]) {
+      frames.emplace_back(text(frame.file), frame.line, text(frame.function));
+    }
+  } catch (...) {
+    return PyErr_NoMemory();
   }
-  const Frames& frames = stacks[i];
-  PyObject* stack = PyTuple_New(static_cast<Py_ssize_t>(frames.size()));
+  PyObject* stack = PyTuple_New(static_cast<Py_ssize_t>(frames.size() - 1));
   if (stack == nullptr) {
     return nullptr;
   }
-  for (size_t k = 0; k < frames.size(); ++k) {
-    PyObject* frame = Py_BuildValue("(Oi)", frames[k].first, frames[k].second);
+  for (size_t k = 1; k < frames.size(); ++k) {
+    PyObject* frame = frame_tuple(std::get<0>(frames[k]), std::get<1>(frames[k]),
+                                  std::get<2>(frames[k]));
     if (frame == nullptr) {
       Py_DECREF(stack);
       return nullptr;
     }
-    PyTuple_SET_ITEM(stack, static_cast<Py_ssize_t>(k), frame);
+    PyTuple_SET_ITEM(stack, static_cast<Py_ssize_t>(k - 1), frame);
   }
-  return Py_BuildValue("(OiN)", sites[i].first, sites[i].second, stack);
+  PyObject* site = frame_tuple(std::get<0>(frames[0]), std::get<1>(frames[0]),
+                               std::get<2>(frames[0]));
+  if (site == nullptr) {
+    Py_DECREF(stack);
+    return nullptr;
+  }
+  return Py_BuildValue("(iNN)", kind, site, stack);
+}
+
+// The calling thread's Python stack as the walk reads it, a list of (file, line, function,
+// kind by `pattern`) innermost first: torchmem compares it with sys._getframe's, and the
+// kinds with the rule's in Python, at load. Call with the GIL held.
+PyObject* torchmem_check_walk(const char* pattern) {
+  std::vector<std::tuple<std::string, int, std::string, int>> frames;
+  try {
+    const std::regex read(pattern, std::regex::ECMAScript | std::regex::optimize);
+    std::lock_guard<std::mutex> lock(sites_mutex);
+    PyThreadState* state = PyGILState_GetThisThreadState();
+    for (Frame* frame = state ? innermost_frame(state) : nullptr; frame != nullptr;
+         frame = outer_frame(frame)) {
+      if (!passed_over(frame)) {
+        const SiteFrame found = site_frame_of(frame);
+        const std::string& file = texts[static_cast<size_t>(found.file)];
+        frames.emplace_back(file, found.line, texts[static_cast<size_t>(found.function)],
+                            kind_by(&read, file, utf8_of(code_of(frame)->co_name)));
+      }
+    }
+  } catch (const std::regex_error& error) {
+    PyErr_SetString(PyExc_ValueError, error.what());
+    return nullptr;
+  } catch (...) {
+    return PyErr_NoMemory();
+  }
+  PyObject* out = PyList_New(0);
+  for (const auto& [file, line, function, kind] : frames) {
+    PyObject* frame = out ? Py_BuildValue("(s#is#i)", file.data(),
+                                          static_cast<Py_ssize_t>(file.size()), line,
+                                          function.data(),
+                                          static_cast<Py_ssize_t>(function.size()), kind)
+                          : nullptr;
+    if (frame == nullptr || PyList_Append(out, frame) < 0) {
+      Py_XDECREF(frame);
+      Py_XDECREF(out);
+      return nullptr;
+    }
+    Py_DECREF(frame);
+  }
+  return out;
 }
 #endif
 
@@ -985,7 +1162,7 @@ void torchmem_record_clear() {
   live.clear();
   taken = 0;
 #ifdef TORCHMEM_PYTHON
-  clear_sites();
+  reset_sites(nullptr);
 #endif
 }
 

@@ -32,7 +32,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from types import CodeType
+from types import FrameType
 
 import numpy as np
 import torch
@@ -78,7 +78,7 @@ class CpuAllocatorLibrary:
         self._adopt = self._py.torchmem_adopt
         self._adopt.restype = ctypes.c_int64
         self._adopt.argtypes = [ctypes.c_void_p]
-        self._py.torchmem_record_start.argtypes = [ctypes.c_int, ctypes.py_object]
+        self._py.torchmem_record_start.argtypes = [ctypes.c_int, ctypes.c_char_p]
         self._py.torchmem_record_stop.restype = ctypes.c_int64
         self._py.torchmem_record_count.restype = ctypes.c_int64
         self._py.torchmem_record_nest.restype = ctypes.c_int64
@@ -116,6 +116,9 @@ class CpuAllocatorLibrary:
             self._py.torchmem_record_site.argtypes = [ctypes.c_int64]
             self._py.torchmem_record_functions.restype = ctypes.py_object
             self.mark, self.note = self._py.torchmem_record_functions()
+            self._py.torchmem_check_walk.restype = ctypes.py_object
+            self._py.torchmem_check_walk.argtypes = [ctypes.c_char_p]
+            self.records_sites = self._walk_reads_the_stack()
         self.reset_peak = lib.torchmem_reset_peak
         """Restart the peak counter at the current bytes."""
         self.counters = (ctypes.c_int64 * len(COUNTERS)).from_address(lib.torchmem_counters())
@@ -164,7 +167,7 @@ class CpuAllocatorLibrary:
                 if sites:
                     self._py.torchmem_record_sites()
             else:
-                self._py.torchmem_record_start(int(sites), frames.pattern().match)
+                self._py.torchmem_record_start(int(sites), frames.pattern().pattern.encode())
                 first = 0
             self._recordings += 1
         return first
@@ -192,16 +195,37 @@ class CpuAllocatorLibrary:
         out = np.empty((rows, 6), np.int64)
         return out[: int(self._py.torchmem_record_take(out.ctypes.data, rows))]
 
-    def record_site(
-        self, index: int
-    ) -> tuple[CodeType, int, tuple[tuple[CodeType, int], ...]] | None:
-        """Site `index` of the last recording: the code object and line of the frame that
-        names it, and the Python stack first seen there as (code object, line), innermost
-        first; None where there is no such site."""
+    def record_site(self, index: int) -> tuple[int, frames.Frame, frames.Stack] | None:
+        """Site `index` of the last recording: the kind (:mod:`torchmem.records.frames`)
+        and frame of the frame that names it, and the Python stack first seen there,
+        innermost first; None where there is no such site."""
         if not self.records_sites:
             return None
         found = self._py.torchmem_record_site(index)
         return None if found is None else (found[0], found[1], found[2])
+
+    def _walk_reads_the_stack(self) -> bool:
+        """Whether the library's frame walk, which reads a thread's frames without the
+        GIL, reads the stack that ``sys._getframe`` shows here, and tells what each frame
+        is as :func:`torchmem.records.frames.kind` does: the proof, at load, of its
+        assumptions on the interpreter's frames. Where it fails, no site is recorded."""
+        walked = self.check_walk()[1:]  # from this frame out, as `shown`
+        shown = []
+        frame: FrameType | None = sys._getframe()
+        while frame is not None:
+            code = frame.f_code
+            name = frames.code_name(code)
+            kind = frames.kind(code.co_filename, code.co_name)
+            shown.append((code.co_filename, frame.f_lineno, name, kind))
+            frame = frame.f_back
+        # The walk read this frame's line at the call, not here: all else must agree.
+        line = [(file, name, kind) for file, _, name, kind in walked[:1]]
+        return walked[1:] == shown[1:] and line == [(f, n, k) for f, _, n, k in shown[:1]]
+
+    def check_walk(self) -> list[tuple[str, int, str, int]]:
+        """The calling thread's Python stack as the library's frame walk reads it, as
+        ``(file, line, function, kind)`` innermost first."""
+        return self._py.torchmem_check_walk(frames.pattern().pattern.encode())  # type: ignore[no-any-return]
 
     def record_clear(self) -> None:
         """Free the log and the sites, once no recording shares them."""

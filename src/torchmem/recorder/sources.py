@@ -16,7 +16,6 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from types import CodeType
 from typing import Any
 
 import numpy as np
@@ -45,9 +44,9 @@ from torchmem.records.caching import KINDS, trace_blocks
 from torchmem.records.frames import (
     BACKWARD,
     ENGINE,
+    Frame,
     SiteKey,
-    code_name,
-    kind,
+    Stack,
     own_file,
     stack_site,
 )
@@ -313,14 +312,13 @@ class CpuLog:
         return Tallied("cpu", self._tally, sites, lost_rows=lost)
 
 
-def _site(code: CodeType, line: int, stack: tuple[tuple[CodeType, int], ...]) -> SiteKey:
+def _site(kind_of_site: int, site: Frame, stack: Stack) -> SiteKey:
     """A site of the CPU log: its frame, :data:`BACKWARD` where that is autograd engine's
     entry point; torchmem's own frames are left out of its stack."""
-    frames = tuple((c.co_filename, n, code_name(c)) for c, n in stack)
-    kept = tuple(f for f in frames if not own_file(f[0]))
-    if kind(code.co_filename, code.co_name) == ENGINE:
+    kept = tuple(f for f in stack if not own_file(f[0]))
+    if kind_of_site == ENGINE:
         return SiteKey((BACKWARD, 0, ""), kept)
-    return SiteKey((code.co_filename, line, code_name(code)), kept)
+    return SiteKey(site, kept)
 
 
 class CudaLog:

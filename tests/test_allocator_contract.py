@@ -175,21 +175,24 @@ def passes():
 library.record_start(True)
 worker = threading.Thread(target=passes)
 worker.start()
-inside = []
-for _ in range(3):  # B may be between two passes, needing the GIL itself: again
+made = sited = allocations = 0
+for _ in range(10):  # B may be between two passes, needing the GIL itself, or not running
     time.sleep(0.1)
     start = time.monotonic_ns()
     hold_the_gil(300_000)
-    inside.append((start + 10**7, start + 29 * 10**7))  # surely within the call
+    rows = library.take(10**8)
+    allocs = rows[rows[:, KIND] == ALLOC]
+    within = (allocs[:, 0] > start + 10**7) & (allocs[:, 0] < start + 29 * 10**7)  # surely
+    made = int(within.sum())
+    sited += int((allocs[:, SITE] >= 0).sum())
+    allocations += len(allocs)
+    if made:
+        break
 done.set()
 worker.join()
 library.record_stop()
-rows = library.take(10**8)
 library.record_clear()
-allocs = rows[rows[:, KIND] == ALLOC]
-made = [int(((allocs[:, 0] > a) & (allocs[:, 0] < b)).sum()) for a, b in inside]
-sited = int((allocs[:, SITE] >= 0).sum())
-print(max(made), sited, len(allocs))
+print(made, sited, allocations)
 """
 
 

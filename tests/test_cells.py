@@ -18,6 +18,9 @@ import sys
 from collections.abc import Iterator
 
 import pytest
+
+pytest.importorskip("IPython")  # the notebook extra
+
 from IPython.core.error import UsageError
 from IPython.core.interactiveshell import InteractiveShell
 

@@ -6,6 +6,9 @@ from __future__ import annotations
 import gc
 
 import pytest
+
+pytest.importorskip("IPython")  # the notebook extra
+
 from IPython.core.interactiveshell import InteractiveShell
 
 from standins import MiB

@@ -10,7 +10,6 @@ import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-from types import FrameType
 
 import pytest
 import torch
@@ -32,8 +31,8 @@ from torchmem.records.frames import (
     NO_PYTHON,
     OTHER,
     USER,
-    code_name,
     kind,
+    python_stack,
     stack_site,
 )
 from torchmem.records.run import DeviceRun, RunRecord, Site
@@ -119,6 +118,15 @@ FRAME_KINDS = [
     ("<frozen runpy>", "_run_code", OTHER),
     ("/home/u/src/torchmem/recorder/session.py", "stop", OTHER),
     (f"{ENV}/torch/autograd/graph.py", "_engine_run_backward", ENGINE),
+    (f"{ENV}/torch/autograd/graph.py", "backward", OTHER),
+    ("/usr/lib/python3.11/site-packages/einops/einops.py", "rearrange", LIBRARY),
+    ("/usr/lib/python3.11/json/decoder.py", "decode", OTHER),
+    ("/opt/pypy/lib/pypy3.10/copy.py", "deepcopy", OTHER),
+    ("/home/u/lib/python3.x/notes.py", "f", USER),
+    ("C:\\Python311\\Lib\\json\\decoder.py", "decode", OTHER),
+    ("C:\\Python311\\Lib\\site-packages\\timm\\layers.py", "forward", LIBRARY),
+    ("/home/u/torch_utils/ops.py", "f", USER),
+    ("/home/u/mytorch/torch.py", "f", USER),
 ]
 """Frames of each kind: (file, function, kind)."""
 
@@ -289,23 +297,6 @@ def cpu_library() -> CpuAllocatorLibrary:
     found = meter("cpu")
     assert isinstance(found, CpuAllocatorMeter)
     return found.library
-
-
-def python_stack(frame: FrameType | None) -> list[tuple[str, int, str, int]]:
-    """A stack as the library's check_walk gives it, read through Python's frame objects."""
-    shown = []
-    while frame is not None:
-        code = frame.f_code
-        shown.append(
-            (
-                code.co_filename,
-                frame.f_lineno,
-                code_name(code),
-                kind(code.co_filename, code.co_name),
-            )
-        )
-        frame = frame.f_back
-    return shown
 
 
 @needs_allocator

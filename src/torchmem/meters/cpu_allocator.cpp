@@ -91,7 +91,6 @@
 #include <cstring>
 #include <mutex>
 #include <new>
-#include <regex>
 #include <string>
 #include <tuple>
 #include <typeinfo>
@@ -253,7 +252,6 @@ constexpr int kUser = 0;  // the kinds of torchmem.records.frames, Match.lastind
 constexpr int kEngine = 1;
 constexpr int kOther = 2;
 constexpr int kLibrary = 3;
-constexpr size_t kLongestText = 8192;  // longer "file\nfunction" texts are kOther unread
 
 #if PY_VERSION_HEX >= 0x030B0000
 using Frame = _PyInterpreterFrame;
@@ -324,9 +322,18 @@ struct SiteHash {
   }
 };
 
+// torchmem.records.frames.pattern(), written out: that rule is a regular expression, and
+// std::regex reads the C++ locale's facets, which differ between C++ libraries (it crashed
+// where the library and the process's libstdc++ were of different GCCs). The tests and
+// torchmem_check_walk hold the two to the same answers.
+struct Rule {
+  std::vector<std::string> stdlib;     // frames.prefixes(frames.STDLIB)
+  std::vector<std::string> installed;  // frames.prefixes(frames.INSTALLED)
+};
+
 std::mutex& sites_mutex = *new std::mutex();
 // All of these under sites_mutex.
-std::regex* rule = nullptr;  // torchmem.records.frames.pattern(), as ECMAScript
+Rule* rule = nullptr;  // the rule's paths; none while no recording was started
 std::unordered_map<PyObject*, CodeInfo>& code_infos = *new std::unordered_map<PyObject*, CodeInfo>();
 std::vector<std::string>& texts = *new std::vector<std::string>();
 std::unordered_map<std::string, int32_t>& text_ids = *new std::unordered_map<std::string, int32_t>();
@@ -410,17 +417,102 @@ CodeInfo& info_of(PyCodeObject* code) {
   return code_infos.emplace(key, info).first->second;
 }
 
-// What a frame of `file` running `function` is, by `pattern` (no match: the user's).
-int kind_by(const std::regex* pattern, const std::string& file, const std::string& function) {
-  const std::string text = file + "\n" + function;
-  std::smatch found;
-  if (pattern == nullptr || text.size() > kLongestText) {
+inline bool separator(char c) { return c == '/' || c == '\\'; }
+
+bool starts_with(const std::string& text, size_t at, const char* start) {
+  return text.compare(at, std::strlen(start), start) == 0;
+}
+
+// (?!site-|dist-) at `at`.
+bool no_packages_at(const std::string& file, size_t at) {
+  return !starts_with(file, at, "site-") && !starts_with(file, at, "dist-");
+}
+
+// The components of `file` with a separator on each side, in order: a component's text
+// starts one past a separator and ends at the next one.
+std::vector<std::string> closed_components(const std::string& file, std::vector<size_t>& ends) {
+  std::vector<std::string> found;
+  size_t start = file.find_first_of("/\\");
+  while (start != std::string::npos) {
+    const size_t end = file.find_first_of("/\\", start + 1);
+    if (end != std::string::npos) {
+      found.push_back(file.substr(start + 1, end - start - 1));
+      ends.push_back(end);
+    }
+    start = end;
+  }
+  return found;
+}
+
+bool is_python_version(const std::string& name) {  // (?:python|pypy)3\.\d+
+  for (const char* start : {"python3.", "pypy3."}) {
+    const size_t digits = std::strlen(start);
+    if (name.size() > digits && name.compare(0, digits, start) == 0 &&
+        std::all_of(name.begin() + static_cast<std::ptrdiff_t>(digits), name.end(),
+                    [](char c) { return c >= '0' && c <= '9'; })) {
+      return true;
+    }
+  }
+  return false;
+}
+
+// What a frame of `file` running `function` is (no rule: kOther). In the order of the
+// pattern's alternatives; each comment is the alternative it stands for.
+int kind_by(const Rule* rule, const std::string& file, const std::string& function) {
+  if (rule == nullptr) {
     return kOther;
   }
-  if (!std::regex_search(text, found, *pattern, std::regex_constants::match_continuous)) {
-    return kUser;
+  std::vector<size_t> ends;
+  const std::vector<std::string> parts = closed_components(file, ends);
+  // [^\n]*[/\\]torch[/\\]autograd[/\\][^\n]*\n_engine_run_backward$
+  if (function == "_engine_run_backward") {
+    for (size_t i = 0; i + 1 < parts.size(); ++i) {
+      if (parts[i] == "torch" && parts[i + 1] == "autograd") {
+        return kEngine;
+      }
+    }
   }
-  return found[kEngine].matched ? kEngine : found[kLibrary].matched ? kLibrary : kOther;
+  // each stdlib prefix, then (?!site-|dist-)
+  for (const std::string& prefix : rule->stdlib) {
+    if (starts_with(file, 0, prefix.c_str()) && no_packages_at(file, prefix.size())) {
+      return kOther;
+    }
+  }
+  for (size_t i = 0; i < parts.size(); ++i) {
+    // [^\n]*[/\\](?:torch|torchmem|torchinductor_[^/\\\n]*)[/\\]
+    if (parts[i] == "torch" || parts[i] == "torchmem" || starts_with(parts[i], 0, "torchinductor_")) {
+      return kOther;
+    }
+    // [^\n]*[/\\]lib[/\\](?:python|pypy)3\.\d+[/\\](?!site-|dist-)
+    if (parts[i] == "lib" && i + 1 < parts.size() && is_python_version(parts[i + 1]) &&
+        no_packages_at(file, ends[i + 1] + 1)) {
+      return kOther;
+    }
+  }
+  // [^\n]*\\Lib\\(?!site-)
+  for (size_t at = file.find("\\Lib\\"); at != std::string::npos; at = file.find("\\Lib\\", at + 1)) {
+    if (!starts_with(file, at + 5, "site-")) {
+      return kOther;
+    }
+  }
+  // <(?:frozen |eval_with_key>|string>)
+  if (starts_with(file, 0, "<frozen ") || starts_with(file, 0, "<eval_with_key>") ||
+      starts_with(file, 0, "<string>")) {
+    return kOther;
+  }
+  // each installed prefix
+  for (const std::string& prefix : rule->installed) {
+    if (starts_with(file, 0, prefix.c_str())) {
+      return kLibrary;
+    }
+  }
+  // [^\n]*[/\\](?:site|dist)-packages[/\\]
+  for (const std::string& part : parts) {
+    if (part == "site-packages" || part == "dist-packages") {
+      return kLibrary;
+    }
+  }
+  return kUser;
 }
 
 // What a code object is, by the rule on its co_filename and co_name.
@@ -497,23 +589,34 @@ int64_t python_site() noexcept {
     site_kinds.push_back(kind);
     stacks.push_back(std::move(stack));
     return id;
-  } catch (...) {  // std::bad_alloc, std::regex_error: this allocation has no site
+  } catch (...) {  // std::bad_alloc: this allocation has no site
     return kNoFrame;
   }
 }
 
-// Forgets every site, and reads code objects by `pattern` from now on (none: no rule).
-void reset_sites(const char* pattern) {
-  std::regex* compiled = nullptr;
-  if (pattern != nullptr) {
-    try {
-      compiled = new std::regex(pattern, std::regex::ECMAScript | std::regex::optimize);
-    } catch (...) {  // a rule std::regex cannot read: every code is kOther
+// The lines of `joined`, one path each (none for null).
+std::vector<std::string> lines_of(const char* joined) {
+  std::vector<std::string> found;
+  const std::string text = joined == nullptr ? "" : joined;
+  size_t start = 0;
+  while (start < text.size()) {
+    const size_t end = std::min(text.find('\n', start), text.size());
+    if (end > start) {
+      found.push_back(text.substr(start, end - start));
     }
+    start = end + 1;
   }
+  return found;
+}
+
+// Forgets every site; from now on code objects are read by the rule with these paths
+// ('\n'-separated: frames.prefixes of frames.STDLIB and of frames.INSTALLED), or by no
+// rule where `stdlib` is null. Throws std::bad_alloc (before anything changed).
+void reset_sites(const char* stdlib, const char* installed) {
+  Rule* paths = stdlib == nullptr ? nullptr : new Rule{lines_of(stdlib), lines_of(installed)};
   std::lock_guard<std::mutex> lock(sites_mutex);
   delete rule;
-  rule = compiled;
+  rule = paths;
   code_infos.clear();
   texts.clear();
   text_ids.clear();
@@ -893,14 +996,19 @@ int torchmem_self_test(int64_t n) {
   return counters.allocated.load() - allocated < n || counters.freed.load() - freed < n ? 4 : 0;
 }
 
-// Starts a recording: clears the log and, with sites != 0, records each allocation's site.
-// `pattern` is the rule that tells what a code object is (torchmem.records.frames.pattern,
-// read as ECMAScript).
-void torchmem_record_start(int with_sites, const char* pattern) {
+// Starts a recording: clears the log and, with sites != 0, records each allocation's site,
+// telling code objects apart by the rule with these paths (see reset_sites). Returns 0, or
+// 1 where there was no memory (nothing started).
+int torchmem_record_start(int with_sites, const char* stdlib, const char* installed) {
 #ifdef TORCHMEM_PYTHON
-  reset_sites(pattern);
+  try {
+    reset_sites(stdlib, installed);
+  } catch (...) {
+    return 1;
+  }
 #else
-  (void)pattern;
+  (void)stdlib;
+  (void)installed;
   with_sites = 0;
 #endif
   std::lock_guard<std::mutex> lock(log_mutex);
@@ -909,6 +1017,7 @@ void torchmem_record_start(int with_sites, const char* pattern) {
   taken = 0;
   ++generation;
   recording.store(with_sites ? 2 : 1);
+  return 0;
 }
 
 // Stops recording; returns the sequence number after the last row.
@@ -1066,12 +1175,12 @@ PyObject* torchmem_record_site(int64_t i) {
 }
 
 // The calling thread's Python stack as the walk reads it, a list of (file, line, function,
-// kind by `pattern`) innermost first: torchmem compares it with sys._getframe's, and the
-// kinds with the rule's in Python, at load. Call with the GIL held.
-PyObject* torchmem_check_walk(const char* pattern) {
+// kind by the rule with these paths) innermost first: torchmem compares it with
+// sys._getframe's, and the kinds with the rule's in Python, at load. Call with the GIL held.
+PyObject* torchmem_check_walk(const char* stdlib, const char* installed) {
   std::vector<std::tuple<std::string, int, std::string, int>> frames;
   try {
-    const std::regex read(pattern, std::regex::ECMAScript | std::regex::optimize);
+    const Rule paths{lines_of(stdlib), lines_of(installed)};
     std::lock_guard<std::mutex> lock(sites_mutex);
     PyThreadState* state = PyGILState_GetThisThreadState();
     for (Frame* frame = state ? innermost_frame(state) : nullptr; frame != nullptr;
@@ -1080,12 +1189,9 @@ PyObject* torchmem_check_walk(const char* pattern) {
         const SiteFrame found = site_frame_of(frame);
         const std::string& file = texts[static_cast<size_t>(found.file)];
         frames.emplace_back(file, found.line, texts[static_cast<size_t>(found.function)],
-                            kind_by(&read, file, utf8_of(code_of(frame)->co_name)));
+                            kind_by(&paths, file, utf8_of(code_of(frame)->co_name)));
       }
     }
-  } catch (const std::regex_error& error) {
-    PyErr_SetString(PyExc_ValueError, error.what());
-    return nullptr;
   } catch (...) {
     return PyErr_NoMemory();
   }
@@ -1162,7 +1268,7 @@ void torchmem_record_clear() {
   live.clear();
   taken = 0;
 #ifdef TORCHMEM_PYTHON
-  reset_sites(nullptr);
+  reset_sites(nullptr, nullptr);  // no memory needed for no rule
 #endif
 }
 

@@ -32,12 +32,11 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from types import FrameType
 
 import numpy as np
 import torch
 
-from torchmem._compat import cxx11_abi
+from torchmem._compat import cxx11_abi, getframe
 from torchmem.errors import TorchmemError
 from torchmem.records import frames
 
@@ -78,7 +77,8 @@ class CpuAllocatorLibrary:
         self._adopt = self._py.torchmem_adopt
         self._adopt.restype = ctypes.c_int64
         self._adopt.argtypes = [ctypes.c_void_p]
-        self._py.torchmem_record_start.argtypes = [ctypes.c_int, ctypes.c_char_p]
+        self._py.torchmem_record_start.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_char_p]
+        self._py.torchmem_record_start.restype = ctypes.c_int
         self._py.torchmem_record_stop.restype = ctypes.c_int64
         self._py.torchmem_record_count.restype = ctypes.c_int64
         self._py.torchmem_record_nest.restype = ctypes.c_int64
@@ -117,7 +117,7 @@ class CpuAllocatorLibrary:
             self._py.torchmem_record_functions.restype = ctypes.py_object
             self.mark, self.note = self._py.torchmem_record_functions()
             self._py.torchmem_check_walk.restype = ctypes.py_object
-            self._py.torchmem_check_walk.argtypes = [ctypes.c_char_p]
+            self._py.torchmem_check_walk.argtypes = [ctypes.c_char_p, ctypes.c_char_p]
             self.records_sites = self._walk_reads_the_stack()
         self.reset_peak = lib.torchmem_reset_peak
         """Restart the peak counter at the current bytes."""
@@ -167,7 +167,8 @@ class CpuAllocatorLibrary:
                 if sites:
                     self._py.torchmem_record_sites()
             else:
-                self._py.torchmem_record_start(int(sites), frames.pattern().pattern.encode())
+                if self._py.torchmem_record_start(int(sites), *frames.rule_paths()):
+                    raise MemoryError("no memory to start the CPU allocator's log")
                 first = 0
             self._recordings += 1
         return first
@@ -209,23 +210,16 @@ class CpuAllocatorLibrary:
         GIL, reads the stack that ``sys._getframe`` shows here, and tells what each frame
         is as :func:`torchmem.records.frames.kind` does: the proof, at load, of its
         assumptions on the interpreter's frames. Where it fails, no site is recorded."""
-        walked = self.check_walk()[1:]  # from this frame out, as `shown`
-        shown = []
-        frame: FrameType | None = sys._getframe()
-        while frame is not None:
-            code = frame.f_code
-            name = frames.code_name(code)
-            kind = frames.kind(code.co_filename, code.co_name)
-            shown.append((code.co_filename, frame.f_lineno, name, kind))
-            frame = frame.f_back
+        walked, shown = self.check_walk()[1:], frames.python_stack(getframe(0))
         # The walk read this frame's line at the call, not here: all else must agree.
-        line = [(file, name, kind) for file, _, name, kind in walked[:1]]
-        return walked[1:] == shown[1:] and line == [(f, n, k) for f, _, n, k in shown[:1]]
+        return [w[::2] + w[3:] for w in walked[:1]] == [s[::2] + s[3:] for s in shown[:1]] and (
+            walked[1:] == shown[1:]
+        )
 
     def check_walk(self) -> list[tuple[str, int, str, int]]:
         """The calling thread's Python stack as the library's frame walk reads it, as
         ``(file, line, function, kind)`` innermost first."""
-        return self._py.torchmem_check_walk(frames.pattern().pattern.encode())  # type: ignore[no-any-return]
+        return self._py.torchmem_check_walk(*frames.rule_paths())  # type: ignore[no-any-return]
 
     def record_clear(self) -> None:
         """Free the log and the sites, once no recording shares them."""

@@ -254,7 +254,10 @@ class Recording:
         if self._cuda is not None:
             notes.extend(self._cuda.notes)
         if self._cpu is not None and self.sites and not self._cpu.records_sites:
-            notes.append("Allocation sites need Python's headers where torchmem was built.")
+            notes.append(
+                "CPU allocation sites were not recorded: they need Python 3.10 to 3.13 with"
+                " the GIL, and Python's headers where torchmem was built."
+            )
         duration = (self._stopped - self._started) / 1e9
         return RunReport(devices, modules, duration, notes=tuple(notes), top=top)
 

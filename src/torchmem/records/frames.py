@@ -10,9 +10,10 @@ kind. C++ frames never do. An allocation made by autograd's engine (inside its e
 point before any user frame, or with only C++ frames on the engine's thread) is named
 :data:`BACKWARD`; a recording that knows which module's backward ran names it further.
 
-Every place that names sites uses this rule: the CPU allocator's log (its C++ side calls
-:func:`pattern`'s ``match`` on each new code object and walks the stack as :func:`choose`
-does), the CUDA allocator history, memory snapshots and the estimator. The rule reads file
+Every place that names sites uses this rule: the CPU allocator's log (its C++ side, which
+reads a thread's stack without the GIL, has the rule written out in C++, given
+:func:`prefixes`; tests and the library's load check it against :func:`pattern`), the CUDA
+allocator history, memory snapshots and the estimator. The rule reads file
 paths only (a snapshot may come from another machine), plus this interpreter's own
 installation paths.
 """
@@ -24,6 +25,7 @@ import os
 import re
 import sysconfig
 from collections.abc import Iterable, Sequence
+from types import FrameType
 from typing import TypeVar
 
 Frame = tuple[str, int, str]
@@ -52,10 +54,40 @@ _SEP = r"[/\\]"
 _LINE = r"[^\n]*"
 
 
-def _prefixes(names: Iterable[str]) -> list[str]:
+def prefixes(names: Iterable[str]) -> list[str]:
+    """This interpreter's installation paths of `names` (``sysconfig``'s), each ending in
+    a separator: ``("stdlib", "platstdlib")`` for the standard library,
+    ``("purelib", "platlib")`` for installed packages."""
     paths = sysconfig.get_paths()
-    found = {os.path.join(paths[n], "") for n in names if paths.get(n)}
-    return [re.escape(p) for p in sorted(found)]
+    return sorted({os.path.join(paths[n], "") for n in names if paths.get(n)})
+
+
+STDLIB = ("stdlib", "platstdlib")
+INSTALLED = ("purelib", "platlib")
+
+
+def rule_paths() -> tuple[bytes, bytes]:
+    """:func:`prefixes` of :data:`STDLIB` and of :data:`INSTALLED`, a path a line: what the
+    CPU allocator's copy of the rule reads."""
+    stdlib, installed = ("\n".join(prefixes(n)).encode() for n in (STDLIB, INSTALLED))
+    return stdlib, installed
+
+
+def python_stack(frame: FrameType | None) -> list[tuple[str, int, str, int]]:
+    """`frame` and the frames it was called from, as ``(file, line, function, kind)``."""
+    found = []
+    while frame is not None:
+        code = frame.f_code
+        found.append(
+            (
+                code.co_filename,
+                frame.f_lineno,
+                code_name(code),
+                kind(code.co_filename, code.co_name),
+            )
+        )
+        frame = frame.f_back
+    return found
 
 
 @functools.cache
@@ -65,13 +97,16 @@ def pattern() -> re.Pattern[str]:
     is never a site while the user's is in the stack, group 3 an installed package. The
     first alternative that matches decides; none is the user's code."""
     other = [
-        *(p + r"(?!site-|dist-)" for p in _prefixes(("stdlib", "platstdlib"))),
+        *(re.escape(p) + r"(?!site-|dist-)" for p in prefixes(STDLIB)),
         _LINE + _SEP + r"(?:torch|torchmem|torchinductor_[^/\\\n]*)" + _SEP,
         _LINE + _SEP + r"lib" + _SEP + r"(?:python|pypy)3\.\d+" + _SEP + r"(?!site-|dist-)",
         _LINE + r"\\Lib\\(?!site-)",
         r"<(?:frozen |eval_with_key>|string>)",
     ]
-    library = [*_prefixes(("purelib", "platlib")), _LINE + _SEP + r"(?:site|dist)-packages" + _SEP]
+    library = [
+        *map(re.escape, prefixes(INSTALLED)),
+        _LINE + _SEP + r"(?:site|dist)-packages" + _SEP,
+    ]
     engine = _LINE + _SEP + r"torch" + _SEP + r"autograd" + _SEP + _LINE + r"\n" + _ENGINE_ENTRY
     return re.compile(f"({engine}$)|({'|'.join(other)})|({'|'.join(library)})")
 

@@ -261,6 +261,21 @@ def test_lap_counts_laps_a_window_as_lap_with_counters_does():
         cpu.lap_counts(b)
 
 
+def test_a_lap_on_counts_read_before_another_allocation_keeps_the_peak_above_it():
+    cpu = meter("cpu")
+    if not isinstance(cpu, CpuAllocatorMeter):
+        pytest.skip("the counting allocator is not available here")
+    window = cpu.window()
+    base = alive()
+    torch.zeros(1024)  # the peak above the bytes in use: the lap restarts it
+    read = cpu.counts()  # what the line profiler read ...
+    kept = torch.zeros(1024, 1024)  # ... before another thread allocated this
+    cpu.lap_counts(window, read)
+    assert cpu.counts()[:2] == [base + 4 * MiB, base + 4 * MiB]  # not below the bytes in use
+    del kept
+    window.close()
+
+
 def inner():
     t = torch.zeros(1024, 1024)
     return t.norm()

@@ -99,9 +99,9 @@ class CpuAllocatorMeter(Meter):
             current = peak = counts[0]
             if counts[1] != current:  # else the reset changes nothing
                 peak = counts[1]
-                # What the library's reset does (a relaxed store of the current bytes into
-                # the peak), without a foreign call on every line that allocated.
-                self._items[1] = current
+                # The library's reset: storing `current` from here would lose a rise that
+                # another thread made since it was read.
+                self._reset_peak()
                 counts[1] = current
             folded = window._folded
             if folded:

@@ -625,8 +625,17 @@ void reset_sites(const char* stdlib, const char* installed) {
   site_kinds.clear();
   stacks.clear();
 }
+// Takes (true) or gives back the sites' lock, across a fork.
+void lock_sites(bool take) {
+  if (take) {
+    sites_mutex.lock();
+  } else {
+    sites_mutex.unlock();
+  }
+}
 #else
 int64_t python_site() noexcept { return kNoSite; }
+void lock_sites(bool) {}
 #endif
 
 // Room for one more row, or false (the row is dropped, and counted). Grows the log by
@@ -869,15 +878,18 @@ int torchmem_install() {
     }
     default_deleter = standard->raw_deleter();
     std::memcpy(&standard_vtable, static_cast<void*>(standard), sizeof(void*));
-    // The adopted and paged sizes' and the log's locks must be free in a child made by fork
-    // (DataLoader's workers): hold them across fork so that no other thread holds one then.
+    // The adopted and paged sizes', the log's and the sites' locks must be free in a child
+    // made by fork (DataLoader's workers): hold them across fork so that no other thread
+    // holds one then. No thread takes another lock while it holds sites_mutex.
     pthread_atfork(
         [] {
           adopted_mutex.lock();
           paged_mutex.lock();
           log_mutex.lock();
+          lock_sites(true);
         },
         [] {
+          lock_sites(false);
           log_mutex.unlock();
           paged_mutex.unlock();
           adopted_mutex.unlock();
@@ -888,6 +900,7 @@ int torchmem_install() {
           std::vector<Event>().swap(events);
           live.clear();
           taken = 0;
+          lock_sites(false);
           log_mutex.unlock();
           paged_mutex.unlock();
           adopted_mutex.unlock();
@@ -1214,9 +1227,10 @@ PyObject* torchmem_check_walk(const char* stdlib, const char* installed) {
 #endif
 
 #ifdef TORCHMEM_PYTHON
-// torchmem_record_mark and torchmem_record_note as Python functions (vectorcall): the
-// hooks call them a few hundred times a training step, and a ctypes call costs ten times
-// as much. Argument errors are Python's TypeError/OverflowError, never a C++ exception.
+// torchmem_record_mark, torchmem_record_note and torchmem_reset_peak as Python functions
+// (vectorcall): the hooks call the first two a few hundred times a training step, the line
+// profiler the third on every line that allocated, and a ctypes call costs ten times as
+// much. Argument errors are Python's TypeError/OverflowError, never a C++ exception.
 static PyObject* fast_mark(PyObject*, PyObject* const* args, Py_ssize_t n) {
   if (n != 2) {
     PyErr_SetString(PyExc_TypeError, "mark(ptr, category) takes 2 arguments");
@@ -1246,18 +1260,29 @@ static PyObject* fast_note(PyObject*, PyObject* const* args, Py_ssize_t n) {
   Py_RETURN_NONE;
 }
 
+static PyObject* fast_reset_peak(PyObject*, PyObject* const*, Py_ssize_t n) {
+  if (n != 0) {
+    PyErr_SetString(PyExc_TypeError, "reset_peak() takes no arguments");
+    return nullptr;
+  }
+  torchmem_reset_peak();
+  Py_RETURN_NONE;
+}
+
 static PyMethodDef fast_functions[] = {
     {"mark", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(fast_mark)),
      METH_FASTCALL, "mark(ptr, category)"},
     {"note", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(fast_note)),
      METH_FASTCALL, "note(kind, ptr, size, site, ref)"},
+    {"reset_peak", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(fast_reset_peak)),
+     METH_FASTCALL, "reset_peak()"},
 };
 
-// (mark, note) as new Python function objects. Call with the GIL held.
+// (mark, note, reset_peak) as new Python function objects. Call with the GIL held.
 PyObject* torchmem_record_functions() {
-  return Py_BuildValue(
-      "(NN)", PyCFunction_New(&fast_functions[0], nullptr),
-      PyCFunction_New(&fast_functions[1], nullptr));
+  return Py_BuildValue("(NNN)", PyCFunction_New(&fast_functions[0], nullptr),
+                       PyCFunction_New(&fast_functions[1], nullptr),
+                       PyCFunction_New(&fast_functions[2], nullptr));
 }
 #endif
 

@@ -103,6 +103,10 @@ class CpuAllocatorLibrary:
         adopt.argtypes = [ctypes.c_void_p, ctypes.c_int64]
         self.adopt_row = adopt
         """``adopt_row(ptr, bytes)``: a storage made before the log started, alive still."""
+        self._py.torchmem_reset_peak.restype = None
+        self.reset_peak: Callable[[], None] = self._py.torchmem_reset_peak
+        """Restart the peak counter at the current bytes (a Python function where the
+        library has Python's headers, for the line profiler's every line)."""
         self._recordings = 0
         """How many recordings share the log now."""
         self._recordings_lock = threading.Lock()
@@ -115,12 +119,10 @@ class CpuAllocatorLibrary:
             self._py.torchmem_record_site.restype = ctypes.py_object
             self._py.torchmem_record_site.argtypes = [ctypes.c_int64]
             self._py.torchmem_record_functions.restype = ctypes.py_object
-            self.mark, self.note = self._py.torchmem_record_functions()
+            self.mark, self.note, self.reset_peak = self._py.torchmem_record_functions()
             self._py.torchmem_check_walk.restype = ctypes.py_object
             self._py.torchmem_check_walk.argtypes = [ctypes.c_char_p, ctypes.c_char_p]
             self.records_sites = self._walk_reads_the_stack()
-        self.reset_peak = lib.torchmem_reset_peak
-        """Restart the peak counter at the current bytes."""
         self.counters = (ctypes.c_int64 * len(COUNTERS)).from_address(lib.torchmem_counters())
         """The live counters, indexed as :data:`COUNTERS` names them (bytes, or counts)."""
         self._dropped_rows = ctypes.c_int64.from_address(lib.torchmem_dropped_rows())

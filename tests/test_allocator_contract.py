@@ -7,6 +7,7 @@ from __future__ import annotations
 import ctypes
 import gc
 import os
+import random
 import subprocess
 import sys
 import threading
@@ -19,6 +20,7 @@ import torch
 from standins import MiB
 from torchmem import meter
 from torchmem.meters import CpuAllocatorMeter
+from torchmem.recorder.tally import ALLOC, FREE, KIND, PTR, REF, SIZE
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux's limits")
 
@@ -143,6 +145,36 @@ def test_a_window_over_threads_allocating_at_once_peaks_between_exact_bounds(cou
         for thread in threads:
             thread.join()
     assert counting.used() == base
+
+
+# The log's table of live storages ----------------------------------------------------
+
+
+def test_every_free_names_its_allocation_through_growth_and_deletions(counting):
+    """5,000 storages alive at once (the table of live storages grows four times), freed in
+    a shuffled order, then made and freed again: each free row names the sequence number
+    of its own allocation's row."""
+    library = counting.library
+    order = list(range(5000))
+    random.Random(0).shuffle(order)
+    library.record_start(False)
+    try:
+        for _ in range(2):
+            kept = [torch.empty(i + 1, dtype=torch.uint8) for i in range(5000)]
+            for i in order:
+                kept[i] = None  # type: ignore[call-overload]
+        rows = library.take(10**6)
+    finally:
+        library.record_stop()
+        library.record_clear()
+    allocs = {
+        int(seq): (int(r[PTR]), int(r[SIZE])) for seq, r in enumerate(rows) if r[KIND] == ALLOC
+    }
+    frees = [(int(r[REF]), int(r[PTR]), -int(r[SIZE])) for r in rows if r[KIND] == FREE]
+    mine = [f for f in frees if f[2] <= 5000 and f[0] in allocs]
+    assert len(allocs) >= 10_000 and len(mine) >= 10_000
+    assert all(allocs[ref] == (ptr, size) for ref, ptr, size in mine)
+    assert all(ref in allocs for ref, _, size in frees if size <= 5000 and ref >= 0)
 
 
 # Sites without the GIL ---------------------------------------------------------------

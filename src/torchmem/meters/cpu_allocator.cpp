@@ -87,7 +87,9 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstddef>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <mutex>
 #include <new>
@@ -213,7 +215,107 @@ std::mutex& log_mutex = *new std::mutex();
 std::vector<Event>& events = *new std::vector<Event>();
 int64_t taken = 0;  // rows drained since the recording started
 int64_t generation = 0;  // recordings started (those inside another too)
-std::unordered_map<void*, Live>& live = *new std::unordered_map<void*, Live>();
+
+// The storages alive while recording, by data pointer: an open-addressing table (linear
+// probing, deletion by shifting back), so that an allocation and its free make no node of
+// a std::unordered_map each (a malloc and a free apiece). Never throws: a table that has
+// no memory to grow into stays as it was, and says so. Guarded by log_mutex.
+class LiveTable {
+ public:
+  Live* find(void* key) noexcept {
+    if (slots_ == nullptr) {
+      return nullptr;
+    }
+    for (size_t i = home(key);; i = (i + 1) & mask_) {
+      if (slots_[i].key == key) {
+        return &slots_[i].value;
+      }
+      if (slots_[i].key == nullptr) {
+        return nullptr;
+      }
+    }
+  }
+
+  // Sets key's value; false where the table had no memory to grow (it is as it was).
+  bool put(void* key, const Live& value) noexcept {
+    if (2 * (size_ + 1) > mask_ + 1 && !grow()) {
+      return false;
+    }
+    size_t i = home(key);
+    while (slots_[i].key != nullptr && slots_[i].key != key) {
+      i = (i + 1) & mask_;
+    }
+    size_ += slots_[i].key == nullptr;
+    slots_[i] = {key, value};
+    return true;
+  }
+
+  // Removes key; its value was at `found` (from find).
+  void erase(Live* found) noexcept {
+    size_t i = static_cast<size_t>(reinterpret_cast<Slot*>(reinterpret_cast<char*>(found) -
+                                                            offsetof(Slot, value)) -
+                                   slots_);
+    for (size_t j = (i + 1) & mask_; slots_[j].key != nullptr; j = (j + 1) & mask_) {
+      // The entry at j moves back to i unless its home lies cyclically in (i, j].
+      const size_t k = home(slots_[j].key);
+      if (i <= j ? (i < k && k <= j) : (i < k || k <= j)) {
+        continue;
+      }
+      slots_[i] = slots_[j];
+      i = j;
+    }
+    slots_[i].key = nullptr;
+    --size_;
+  }
+
+  void clear() noexcept {
+    std::free(slots_);
+    slots_ = nullptr;
+    mask_ = size_ = 0;
+  }
+
+ private:
+  struct Slot {
+    void* key;  // null: empty
+    Live value;
+  };
+
+  size_t home(void* key) const noexcept {  // Fibonacci hashing of the pointer
+    return static_cast<size_t>((reinterpret_cast<uintptr_t>(key) * 0x9E3779B97F4A7C15ull) >>
+                               shift_) &
+           mask_;
+  }
+
+  bool grow() noexcept {
+    const size_t capacity = slots_ == nullptr ? 1024 : 2 * (mask_ + 1);
+    auto* fresh = static_cast<Slot*>(std::calloc(capacity, sizeof(Slot)));
+    if (fresh == nullptr) {
+      return false;
+    }
+    Slot* old = slots_;
+    const size_t old_capacity = slots_ == nullptr ? 0 : mask_ + 1;
+    slots_ = fresh;
+    mask_ = capacity - 1;
+    shift_ = 64 - __builtin_ctzll(capacity);
+    for (size_t i = 0; i < old_capacity; ++i) {
+      if (old[i].key != nullptr) {
+        size_t j = home(old[i].key);
+        while (slots_[j].key != nullptr) {
+          j = (j + 1) & mask_;
+        }
+        slots_[j] = old[i];
+      }
+    }
+    std::free(old);
+    return true;
+  }
+
+  Slot* slots_ = nullptr;
+  size_t mask_ = 0;
+  size_t size_ = 0;
+  int shift_ = 64;
+};
+LiveTable& live = *new LiveTable();
 
 inline int64_t now_ns() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(
@@ -664,9 +766,7 @@ void record_alloc(void* data, int64_t n) noexcept {
     return;
   }
   const int64_t seq = taken + static_cast<int64_t>(events.size());
-  try {
-    live.insert_or_assign(data, Live{seq, kOtherCategory, generation});
-  } catch (...) {  // std::bad_alloc: `live` is as it was
+  if (!live.put(data, Live{seq, kOtherCategory, generation})) {
     dropped_rows.fetch_add(1, std::memory_order_relaxed);
     return;
   }
@@ -681,9 +781,9 @@ void record_free(void* data, int64_t n) noexcept {
     return;
   }
   int64_t ref = -1;
-  auto found = live.find(data);
-  if (found != live.end()) {
-    ref = found->second.seq;
+  Live* found = live.find(data);
+  if (found != nullptr) {
+    ref = found->seq;
     live.erase(found);
   }
   if (room_for_a_row()) {
@@ -1084,14 +1184,14 @@ int64_t torchmem_record_take(int64_t* out, int64_t n) {
 // the caller may adopt it, torchmem_record_adopt).
 int64_t torchmem_record_mark(void* ptr, int64_t category) {
   std::lock_guard<std::mutex> lock(log_mutex);
-  auto found = live.find(ptr);
+  Live* found = live.find(ptr);
   if (!recording.load(std::memory_order_relaxed)) {
     return -1;
   }
-  if (found == live.end()) {
+  if (found == nullptr) {
     return -2;
   }
-  Live& storage = found->second;
+  Live& storage = *found;
   if (storage.generation == generation && storage.category <= category) {
     return -1;
   }
@@ -1113,13 +1213,12 @@ void torchmem_record_note(int64_t kind, int64_t ptr, int64_t size, int64_t site,
 // row that names it from now on. A row that finds no memory is dropped and counted.
 void torchmem_record_adopt(void* ptr, int64_t size) {
   std::lock_guard<std::mutex> lock(log_mutex);
-  if (!recording.load(std::memory_order_relaxed) || live.count(ptr) || !room_for_a_row()) {
+  if (!recording.load(std::memory_order_relaxed) || live.find(ptr) != nullptr ||
+      !room_for_a_row()) {
     return;
   }
   const int64_t seq = taken + static_cast<int64_t>(events.size());
-  try {
-    live.emplace(ptr, Live{seq, kOtherCategory, generation});
-  } catch (...) {  // std::bad_alloc: `live` is as it was
+  if (!live.put(ptr, Live{seq, kOtherCategory, generation})) {
     dropped_rows.fetch_add(1, std::memory_order_relaxed);
     return;
   }

@@ -375,9 +375,9 @@ inline PyCodeObject* code_of(Frame* frame) {
 }
 // A frame Python's own tracebacks pass over: one being set up, or the C stack's shim.
 inline bool passed_over(Frame* frame) { return _PyFrame_IsIncomplete(frame); }
+inline int offset_of(Frame* frame) { return _PyInterpreterFrame_LASTI(frame); }
 inline int line_of(Frame* frame) {
-  return PyCode_Addr2Line(code_of(frame),
-                          _PyInterpreterFrame_LASTI(frame) * static_cast<int>(sizeof(_Py_CODEUNIT)));
+  return PyCode_Addr2Line(code_of(frame), offset_of(frame) * static_cast<int>(sizeof(_Py_CODEUNIT)));
 }
 #else
 using Frame = PyFrameObject;  // 3.10: the frames are frame objects, public
@@ -386,6 +386,7 @@ inline Frame* innermost_frame(PyThreadState* state) { return state->frame; }
 inline Frame* outer_frame(Frame* frame) { return frame->f_back; }
 inline PyCodeObject* code_of(Frame* frame) { return frame->f_code; }
 inline bool passed_over(Frame*) { return false; }
+inline int offset_of(Frame* frame) { return frame->f_lasti; }
 inline int line_of(Frame* frame) { return PyFrame_GetLineNumber(frame); }
 #endif
 
@@ -406,6 +407,26 @@ struct CodeInfo {
   int kind;
   int32_t file_id;
   int32_t function_id;
+  // The lines of the latest instruction offsets asked (offset -1: none): a line is read
+  // from the code's line table by a scan from its start, and a loop allocates again and
+  // again from the same few instructions.
+  int offsets[4] = {-1, -1, -1, -1};
+  int lines[4] = {0, 0, 0, 0};
+  int next = 0;
+
+  int line_at(Frame* frame) {
+    const int offset = offset_of(frame);
+    for (int i = 0; i < 4; ++i) {
+      if (offsets[i] == offset) {
+        return lines[i];
+      }
+    }
+    const int line = line_of(frame);
+    offsets[next] = offset;
+    lines[next] = line;
+    next = (next + 1) % 4;
+    return line;
+  }
 };
 // A frame of a site's stack: texts by their number in `texts`.
 struct SiteFrame {
@@ -625,10 +646,11 @@ int kind_of(PyCodeObject* code, CodeInfo& info) {
   return info.kind;
 }
 
-SiteFrame site_frame_of(Frame* frame) {
-  const CodeInfo& info = info_of(code_of(frame));
-  return {info.file_id, info.function_id, line_of(frame)};
+SiteFrame site_frame_of(Frame* frame, CodeInfo& info) {
+  return {info.file_id, info.function_id, info.line_at(frame)};
 }
+
+SiteFrame site_frame_of(Frame* frame) { return site_frame_of(frame, info_of(code_of(frame))); }
 
 // The site of this allocation: walking out from the innermost frame, the first of the
 // user's code or of autograd engine's entry point, else the first of an installed
@@ -646,7 +668,7 @@ int64_t python_site() noexcept {
     Frame* innermost = nullptr;
     Frame* library = nullptr;
     Frame* chosen = nullptr;
-    int kind = kOther;
+    CodeInfo* chosen_info = nullptr;
     for (Frame* frame = innermost_frame(state); frame != nullptr; frame = outer_frame(frame)) {
       if (passed_over(frame)) {
         continue;
@@ -655,9 +677,11 @@ int64_t python_site() noexcept {
         innermost = frame;
       }
       PyCodeObject* code = code_of(frame);
-      kind = kind_of(code, info_of(code));
+      CodeInfo& info = info_of(code);
+      const int kind = kind_of(code, info);
       if (kind == kUser || kind == kEngine) {
         chosen = frame;
+        chosen_info = &info;
         break;
       }
       if (kind == kLibrary && library == nullptr) {
@@ -669,9 +693,10 @@ int64_t python_site() noexcept {
       if (chosen == nullptr) {
         return kNoFrame;
       }
-      kind = kind_of(code_of(chosen), info_of(code_of(chosen)));
+      chosen_info = &info_of(code_of(chosen));
     }
-    const SiteFrame key = site_frame_of(chosen);
+    const int kind = chosen_info->kind;
+    const SiteFrame key = site_frame_of(chosen, *chosen_info);
     auto found = site_ids.find(key);
     if (found != site_ids.end()) {
       return found->second;

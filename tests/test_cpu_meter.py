@@ -60,6 +60,41 @@ def state_dict() -> dict[str, torch.Tensor]:
     return {"weight": torch.zeros(1024, 1024), "bias": torch.zeros(1024)}
 
 
+# The walk beside threads building objects ---------------------------------------------
+
+
+def test_the_walk_holds_no_object_that_another_thread_is_still_building(monkeypatch):
+    """``tuple(generator)`` fills a tuple it owns alone, growing it past its first guess of
+    10 items. While the generator is paused, another thread walks every object (the
+    fallback meter's walk) and is held up mid-walk: a walk that held every object then
+    shares the tuple, and the tuple's growth fails (``SystemError``)."""
+    from torchmem.meters import cpu as cpu_module
+
+    held, go_on = threading.Event(), threading.Event()
+    pick = cpu_module.subclasses
+
+    def held_up(*bases: type) -> frozenset[type]:
+        held.set()
+        go_on.wait(10)
+        return pick(*bases)
+
+    monkeypatch.setattr(cpu_module, "subclasses", held_up)
+    walker = threading.Thread(target=live_storages)
+
+    def items():
+        yield 0
+        walker.start()
+        held.wait(10)
+        yield from range(1, 100)
+
+    try:
+        built = tuple(items())
+    finally:
+        go_on.set()
+        walker.join()
+    assert built == tuple(range(100))
+
+
 # Storages no walk can read ---------------------------------------------------------
 
 

@@ -36,8 +36,7 @@ def subclasses(*bases: type) -> frozenset[type]:
     """`bases` and every class alive now that derives from one of them (what
     ``issubclass`` accepts where no metaclass overrides ``__subclasscheck__``, as none of
     torch's tensor, storage, module and optimizer bases does). Classes made later are not
-    in it: take it after gathering the objects it will pick from (they keep their classes
-    alive)."""
+    in it."""
     found: set[type] = set()
     todo = list(bases)
     while todo:

@@ -206,12 +206,15 @@ def live_storages() -> list[torch.UntypedStorage]:
 
     A walk of every Python object: about 0.2 µs each, half to list them, half to read
     their classes; the few tensors and storages among them cost little more."""
-    objects = gc.get_objects()
     tensors = subclasses(torch.Tensor)
     untyped = subclasses(torch.UntypedStorage)
     typed = subclasses(torch.TypedStorage)
-    found = of_types(objects, tensors | untyped | typed)
-    del objects
+    # Every object is held from here to the end of the line: among them may be one that
+    # another thread is still building (a tuple that tuple(iterable) fills, its thread
+    # paused in a finalizer), which fails if that thread runs on while it is shared. So
+    # the classes are gathered first, and a few bytecodes run on the way (of_types filters
+    # in C), not the 30 ms of Python that once did: a switch then is rare, not ruled out.
+    found = of_types(gc.get_objects(), tensors | untyped | typed)
     storages: dict[int, torch.UntypedStorage] = {}
     obj: Any
     for obj in found:

@@ -446,9 +446,9 @@ struct SiteHash {
 };
 
 // torchmem.records.frames.pattern(), written out: that rule is a regular expression, and
-// std::regex reads the C++ locale's facets, which differ between C++ libraries (it crashed
-// where the library and the process's libstdc++ were of different GCCs). The tests and
-// torchmem_check_walk hold the two to the same answers.
+// std::regex, which reads the C++ locale's facets, crashed while compiling it on one
+// machine (GCC 13, Python 3.12, torch 2.11: in regex_traits::transform_primary, cause not
+// established). The tests and torchmem_check_walk hold the two to the same answers.
 struct Rule {
   std::vector<std::string> stdlib;     // frames.prefixes(frames.STDLIB)
   std::vector<std::string> installed;  // frames.prefixes(frames.INSTALLED)

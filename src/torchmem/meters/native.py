@@ -213,10 +213,11 @@ class CpuAllocatorLibrary:
         is as :func:`torchmem.records.frames.kind` does: the proof, at load, of its
         assumptions on the interpreter's frames. Where it fails, no site is recorded."""
         walked, shown = self.check_walk()[1:], frames.python_stack(getframe(0))
-        # The walk read this frame's line at the call, not here: all else must agree.
-        return [w[::2] + w[3:] for w in walked[:1]] == [s[::2] + s[3:] for s in shown[:1]] and (
-            walked[1:] == shown[1:]
-        )
+        if not walked or len(walked) != len(shown):
+            return False
+        # The walk read this frame's line at its call, Python reads it here: all else agrees.
+        (file, _, name, kind), here = walked[0], shown[0]
+        return (file, name, kind) == (here[0], here[2], here[3]) and walked[1:] == shown[1:]
 
     def check_walk(self) -> list[tuple[str, int, str, int]]:
         """The calling thread's Python stack as the library's frame walk reads it, as

@@ -189,6 +189,8 @@ class CpuStream:
         """The marks' names: one table for the recordings that share the log."""
         self._engine: set[int] = {NO_PYTHON_SITE}
         self._taken = 0
+        self._next_site = 0
+        """Sites numbered below it are in :attr:`sites`."""
         self._lock = threading.Lock()
         self._halt = threading.Event()
         self._thread: threading.Thread | None = None
@@ -202,6 +204,7 @@ class CpuStream:
             if fresh:
                 self._taken = 0
                 self.sites, self.names, self._engine = {}, NameTable(), {NO_PYTHON_SITE}
+                self._next_site = 0
                 self._halt.clear()
                 self._thread = background_thread(self._run, "torchmem-log")
                 self._thread.start()
@@ -262,13 +265,16 @@ class CpuStream:
             site = rows[:, SITE]
             allocs = rows[:, KIND] == ALLOC
             site[allocs & (site == NO_FRAME_SITE)] = NO_PYTHON_SITE
-            for index in np.unique(site[allocs]).tolist():
-                if index >= 0 and index not in self.sites:
-                    found = self.library.record_site(index)
-                    if found is not None:
-                        self.sites[index] = key = _site(*found)
-                        if key[0] == BACKWARD:
-                            self._engine.add(index)
+            # Sites are numbered in the order they are first met: those new here are the
+            # numbers above the ones known.
+            top = int(np.max(site, where=allocs, initial=-1))
+            for index in range(self._next_site, top + 1):
+                found = self.library.record_site(index)
+                if found is not None:
+                    self.sites[index] = key = _site(*found)
+                    if key[0] == BACKWARD:
+                        self._engine.add(index)
+            self._next_site = max(self._next_site, top + 1)
             for tally in self.tallies:
                 skip = tally.seq - first
                 if skip < len(rows):

@@ -161,26 +161,43 @@ class Tally:
         n = len(rows)
         if not n:
             return
-        seqs = self.seq + np.arange(n, dtype=np.int64)
         kind = rows[:, KIND]
         size = rows[:, SIZE]
         alloc = kind == ALLOC
         free = kind == FREE
         delta = np.where(alloc | free, size, 0)
         cur = self.current + np.cumsum(delta)
+        j = int(np.argmax(cur))
+        rises = bool(cur[j] > self.peak)
+
+        # An allocation freed in these same rows needs no record unless it was alive at a
+        # new peak: it is counted in `cur` already (most of a run of tiny allocations).
+        frees = np.flatnonzero(free)
+        refs = rows[frees, REF]
+        place = refs - self.seq  # where the allocation each free names is in these rows
+        inside = np.flatnonzero((place >= 0) & (place < n))
+        born, gone = place[inside], frees[inside]
+        short = alloc[born]
+        if rises:
+            short &= (born > j) | (gone <= j)
+        passing = np.zeros(n, bool)
+        passing[born[short]] = True
+        matched = np.zeros(len(frees), bool)
+        matched[inside[short]] = True
 
         adopt = kind == ADOPT
-        made = alloc | adopt
+        made = np.flatnonzero((alloc & ~passing) | adopt)
+        count = len(made)
         new = Table(
-            key=seqs[made],
-            born=np.where(alloc, seqs, -1)[made],
+            key=self.seq + made,
+            born=np.where(alloc[made], self.seq + made, -1),
             ptr=rows[made, PTR],
             size=size[made],
-            site=np.where(alloc, rows[:, SITE], BEFORE_SITE)[made],
+            site=np.where(alloc[made], rows[made, SITE], BEFORE_SITE),
             time=rows[made, TIME],
-            cat=np.full(int(made.sum()), 4, np.int64),
-            name=np.full(int(made.sum()), UNNAMED, np.int64),
-            owner=np.full(int(made.sum()), -1, np.int64),
+            cat=np.full(count, 4, np.int64),
+            name=np.full(count, UNNAMED, np.int64),
+            owner=np.full(count, -1, np.int64),
         )
         # A storage made before the start, named by a mark only (this tally started inside
         # another, which saw it made): known from its mark's size.
@@ -218,23 +235,23 @@ class Tally:
                 self._mark(self.at_peak, rows[marks, REF], rows[marks, SITE])
 
         died = np.full(len(table), _NEVER, np.int64)
-        frees = np.flatnonzero(free)
-        at, found = table.find(rows[frees, REF])
-        died[at[found]] = seqs[frees[found]]
+        looked = np.flatnonzero(~matched)
+        at, found = table.find(refs[looked])
+        died[at[found]] = self.seq + frees[looked[found]]
+        lost = frees[looked[~found]]
         unmatched = np.zeros(n, np.int64)
-        unmatched[frees[~found]] = size[frees[~found]]
+        unmatched[lost] = size[lost]
         hidden = self.hidden + np.cumsum(unmatched)
 
         self._probes(rows, kind, cur, table)
-        engine = alloc & np.isin(rows[:, SITE], np.fromiter(self.engine, np.int64))
-        if engine.any():
-            self._pending = np.concatenate([self._pending, seqs[engine]])
+        engine = made[alloc[made] & np.isin(rows[made, SITE], np.fromiter(self.engine, np.int64))]
+        if len(engine):
+            self._pending = np.concatenate([self._pending, self.seq + engine])
             self._pending_time = np.concatenate([self._pending_time, rows[engine, TIME]])
 
-        j = int(np.argmax(cur))
-        if cur[j] > self.peak:
+        if rises:
             self.peak = int(cur[j])
-            self.peak_seq = int(seqs[j])
+            self.peak_seq = self.seq + j
             self.peak_time = int(rows[j, TIME])
             self.at_peak = table.take((table.born <= self.peak_seq) & (died > self.peak_seq))
             self.hidden_at_peak = int(hidden[j])
@@ -245,7 +262,9 @@ class Tally:
         self.seq += n
         self._timeline(rows[:, TIME], cur)
         self._name_engine()
-        changes = rows[alloc | free]
+        changing = alloc | free
+        # A copy, not a view of the rows: `recent` keeps it.
+        changes = rows.copy() if bool(changing.all()) else rows.take(np.flatnonzero(changing), 0)
         self.events += len(changes)
         self._keep_recent(changes)
 
@@ -402,12 +421,15 @@ class Tally:
 
     def _timeline(self, times: np.ndarray, cur: np.ndarray) -> None:
         self.last_time = max(self.last_time, int(times.max()))
-        index = np.maximum((times - self.start) // self.width, 0)
+        index = np.maximum((times - self.start) >> (self.width.bit_length() - 1), 0)
         while int(index.max()) >= FINE:
             self._halve()
-            index //= 2
-        np.maximum.at(self._high, index, cur)
-        self._last[index] = cur  # the last row of each interval writes last
+            index >>= 1
+        # Rows come in time order: one value per run of rows in the same interval.
+        ends = np.append(np.flatnonzero(index[1:] != index[:-1]), len(index) - 1)
+        starts = np.insert(ends[:-1] + 1, 0, 0)
+        np.maximum.at(self._high, index[ends], np.maximum.reduceat(cur, starts))
+        self._last[index[ends]] = cur[ends]  # the last row of each interval writes last
 
     def _halve(self) -> None:
         high = np.maximum(self._high[0::2], self._high[1::2])

@@ -285,6 +285,7 @@ def test_tiny_allocation_benchmark_runs_and_tabulates():
     verdicts = allocations.verdicts(runs).splitlines()
     assert len(verdicts) == 2
     assert all(line.endswith(("MiB: met)", "MiB: missed)")) for line in verdicts)
+    assert [line.count("(target ") for line in verdicts] == [2, 2]
 
 
 def test_fixed_cost_benchmark_runs_and_tabulates():

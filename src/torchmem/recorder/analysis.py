@@ -20,7 +20,8 @@ from torchmem.meters.native import NO_PYTHON_SITE
 from torchmem.recorder.hooks import Watcher
 from torchmem.recorder.notes import NameTable
 from torchmem.recorder.sources import NO_SITE, Laps, Tallied
-from torchmem.recorder.tally import UNNAMED, Table, Tally
+from torchmem.recorder.table import Table
+from torchmem.recorder.tally import UNNAMED, Tally
 from torchmem.records.frames import NO_PYTHON, SiteKey
 from torchmem.records.run import CATEGORIES, DeviceRun, Held, ModulePeak, Site
 

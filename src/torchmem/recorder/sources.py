@@ -189,8 +189,7 @@ class CpuStream:
         """The marks' names: one table for the recordings that share the log."""
         self._engine: set[int] = {NO_PYTHON_SITE}
         self._taken = 0
-        self._next_site = 0
-        """Sites numbered below it are in :attr:`sites`."""
+        self._next_site = 0  # sites numbered below it are in `sites`
         self._lock = threading.Lock()
         self._halt = threading.Event()
         self._thread: threading.Thread | None = None
@@ -265,8 +264,7 @@ class CpuStream:
             site = rows[:, SITE]
             allocs = rows[:, KIND] == ALLOC
             site[allocs & (site == NO_FRAME_SITE)] = NO_PYTHON_SITE
-            # Sites are numbered in the order they are first met: those new here are the
-            # numbers above the ones known.
+            # Sites are numbered in the order they are first met: new ones are above those known.
             top = int(np.max(site, where=allocs, initial=-1))
             for index in range(self._next_site, top + 1):
                 found = self.library.record_site(index)

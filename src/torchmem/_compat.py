@@ -349,6 +349,12 @@ _DATA_DEPENDENT: tuple[type[BaseException], ...] = tuple(
 carries the operator as ``func``."""
 
 
+FakeTensor: type = lookup(f"{_FAKE}.FakeTensor") or type("FakeTensor", (), {})  # or: none is
+_NO_MODES = "torch.utils._python_dispatch._disable_current_modes"
+no_dispatch_modes: Callable[[], Any] = lookup(_NO_MODES) or unsupported(_NO_MODES, _ESTIMATOR)
+"""Every dispatch mode (fake tensors' too) set aside while entered: operators run for real."""
+
+
 def fake_mode() -> Any:
     """A new ``FakeTensorMode``: tensors made inside it have shapes, dtypes and devices but
     no memory, and operators on them compute only those."""

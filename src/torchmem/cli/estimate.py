@@ -5,12 +5,14 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
-import runpy
 import sys
 from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 from torchmem.cli.command import Command
+from torchmem.cli.run import run_script
 from torchmem.errors import CommandError
 
 
@@ -83,12 +85,20 @@ def _target(
             raise CommandError(f"no such script: {target!r}")
 
         def script() -> None:
-            saved = sys.argv[:]
-            sys.argv = [target, *words]
+            # As `torchmem run` (and python) runs it: its folder first on sys.path, its own
+            # __main__ and argv; sys.exit(0) or sys.exit(None) at its end is a success.
+            saved = sys.argv, sys.path[:], sys.modules["__main__"]
+            main = ModuleType("__main__")
+            sys.argv, sys.modules["__main__"] = [target, *words], main
+            sys.path.insert(0, str(Path(target).resolve().parent))
             try:
-                runpy.run_path(target, run_name="__main__")
+                run_script(target, main)
+            except SystemExit as exc:
+                if exc.code not in (None, 0):
+                    raise CommandError(f"{target} exited with {exc.code!r}") from None
             finally:
-                sys.argv = saved
+                sys.argv, sys.modules["__main__"] = saved[0], saved[2]
+                sys.path[:] = saved[1]
 
         script.__qualname__ = os.path.basename(target)
         return script, ()

@@ -214,7 +214,7 @@ def _execute(
             _run_module(target, main)
         else:
             sys.path.insert(0, str(Path(target).resolve().parent))
-            _run_script(target, main)
+            run_script(target, main)
     except SystemExit as exc:
         if exc.code is None or isinstance(exc.code, int):
             return exc.code or 0, None
@@ -234,7 +234,7 @@ def _execute(
     return 0, None
 
 
-def _run_script(path: str, main: ModuleType) -> None:
+def run_script(path: str, main: ModuleType) -> None:
     """Execute the file at `path` in `main`. Its ``__file__`` is absolute, as ``python``
     gives it, so that it stays valid after ``os.chdir``; its code keeps `path` as given,
     the name tracebacks and the report show."""

@@ -30,6 +30,7 @@ from torchmem.estimator.allocator import (
     expandable_segments,
 )
 from torchmem.estimator.fake import FakeRun, run_fake
+from torchmem.estimator.values import UnknownIndex
 from torchmem.recorder.analysis import Names, device_run, module_peaks
 from torchmem.recorder.sources import NO_SITE, Log
 from torchmem.records.estimate import EstimateRecord
@@ -170,6 +171,8 @@ def estimate(fn: Callable[..., Any], *args: Any, device: str = "cuda", **kwargs:
     started = time.perf_counter()
     try:
         fake = run_fake(fn, args, kwargs, cuda=target == "cuda")
+    except UnknownIndex as exc:
+        raise EstimateError(str(exc)) from None
     except Exception as exc:
         operator = data_dependent_operator(exc)
         if operator is None:

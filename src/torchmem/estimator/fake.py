@@ -39,10 +39,12 @@ from torchmem._compat import (
     forget_converted,
     getframe,
     in_backward,
+    no_dispatch_modes,
     storage_key,
 )
 from torchmem.estimator.autocast import CudaRules
 from torchmem.estimator.placement import GPU_AS_CPU, OnFakeCpu, any_on, mark
+from torchmem.estimator.values import Values, values_read
 from torchmem.meters.tensor import TensorMeter
 from torchmem.recorder.hooks import Watcher
 from torchmem.recorder.notes import Notes
@@ -202,6 +204,7 @@ class _Operators(DispatchMode):
         self.matmuls: list[tuple[int, bool, bool]] = []
         self.reads = 0
         self._seen: set[tuple[bool, bool]] = set()
+        self.values = Values()
 
     def __torch_dispatch__(
         self,
@@ -219,6 +222,9 @@ class _Operators(DispatchMode):
                 gpu = any_on(meter.on_gpu, args) or any_on(meter.on_gpu, kwargs.values())
             else:
                 gpu = forced
+        if func is _SCALAR and (value := self.values.value(args[0])) is not None:
+            with no_dispatch_modes():
+                return value.item()
         outer, meter.to_gpu = meter.to_gpu, gpu
         try:
             out = func(*args, **kwargs)
@@ -231,6 +237,7 @@ class _Operators(DispatchMode):
             return False if dtype is torch.bool else 1.0 if dtype.is_floating_point else 1
         finally:
             meter.to_gpu = outer
+        self.values.compute(func, args, kwargs, out)
         if gpu and meter.gpu_only:
             mark(out)
         if gpu and func.overloadpacket in MATMULS:
@@ -383,6 +390,8 @@ def run_fake(
         # Outside the meter's mode: says where an operator's storages go before the meter
         # counts them, and sees a matrix product's result counted.
         stack.enter_context(operators)
+        stack.enter_context(values_read(operators.values))
+        stack.enter_context(torch.random.fork_rng(devices=[]))
         watcher.start()
         try:
             fn(*args, **kwargs)

@@ -10,11 +10,14 @@ import textwrap
 import pytest
 import torch
 
+import torchmem
 from torchmem.cli.estimate import _target
 from torchmem.estimator import EstimateError, estimate
 
 MODEL = """
 import torch
+
+import torchmem
 import torch.nn.functional as F
 from torch import nn
 
@@ -55,6 +58,8 @@ import sys
 
 import numpy as np
 import torch
+
+import torchmem
 
 from model import GPT
 
@@ -165,3 +170,87 @@ def test_an_unknown_value_used_as_a_size_is_named_not_guessed() -> None:
         EstimateError, match=r"test_estimate_programs\.py:\d+: a tensor's value is used here"
     ):
         estimate(step, device="cpu")
+
+
+def measured_cpu_peak(fn) -> int:  # type: ignore[no-untyped-def]
+    fn()
+    window = torchmem.meter("cpu").window()
+    try:
+        fn()
+    finally:
+        peak = window.peak()
+        window.close()
+    return peak
+
+
+def test_a_mask_of_known_values_selects_what_a_real_run_selects() -> None:
+    def step() -> None:
+        mask = torch.arange(10) % 3 == 0  # rows 0, 3, 6, 9
+        rows = torch.ones(10, 1000)[mask]
+        assert rows.shape == (4, 1000)
+        torch.ones(1000, 1000)[torch.arange(1000) < 250].sum()
+
+    found = estimate(step, device="cpu")
+    assert found.peak_bytes == measured_cpu_peak(step)
+    assert found.peak_bytes >= 1000 * 1000 * 4 + 250 * 1000 * 4
+
+
+def test_routing_on_unknown_values_is_named_at_the_users_line() -> None:
+    def moe_step() -> None:
+        tokens, router = torch.randn(16, 8), torch.randn(16, 4)
+        chosen = router.argmax(-1)  # from float values: not known
+        for expert in range(4):
+            tokens[chosen == expert].sum()
+
+    with pytest.raises(
+        EstimateError, match=r"test_estimate_programs\.py:\d+: aten\.\w+\.\w+ cannot run"
+    ):
+        estimate(moe_step, device="cpu")
+
+
+def test_an_operators_error_passes_through_with_a_note_of_the_line() -> None:
+    def step() -> None:
+        torch.randn(2, 3) @ torch.randn(4, 5)
+
+    with pytest.raises(RuntimeError) as raised:  # the fake kernel's own message
+        estimate(step, device="cpu")
+    assert type(raised.value) is RuntimeError
+    notes = getattr(raised.value, "__notes__", [])
+    assert len(notes) == 1 and "test_estimate_programs.py:" in notes[0]
+
+
+def moe_step() -> None:
+    """A mixture of experts routed as Mixtral's eager path routes: top-2 of 8 experts."""
+    torch.manual_seed(0)
+    experts = torch.nn.ModuleList(
+        torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
+        for _ in range(8)
+    )
+    router = torch.nn.Linear(64, 8)
+    x = torch.randn(512, 64, requires_grad=True)
+    weights, chosen = router(x).softmax(-1).topk(2, dim=-1)
+    out = torch.zeros_like(x)
+    mask = torch.nn.functional.one_hot(chosen, 8).permute(2, 1, 0)
+    for expert in range(8):
+        slot, token = torch.where(mask[expert])
+        out = out.index_add(0, token, experts[expert](x[token]) * weights[token, slot, None])
+    out.sum().backward()
+
+
+def test_a_mixture_of_experts_estimates_with_its_routing_assumed_even() -> None:
+    found = estimate(moe_step, device="cpu")
+    measured = measured_cpu_peak(moe_step)
+    assert abs(found.peak_bytes - measured) <= 0.02 * measured
+    assert any(note.startswith("Assumed: the choices of 1 topk call(s)") for note in found.notes)
+
+
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="no torch._grouped_mm here")
+def test_grouped_matrix_products_in_float32_estimate_as_the_cpu_runs_them() -> None:
+    # The meta kernel takes bfloat16 only (as CUDA's); the CPU kernel takes float32.
+    def step() -> None:
+        tokens = torch.randn(64, 32, requires_grad=True)
+        weights = torch.randn(4, 32, 48, requires_grad=True)
+        offsets = torch.tensor([16, 32, 48, 64], dtype=torch.int32)
+        torch._grouped_mm(tokens, weights, offs=offsets).pow(2).sum().backward()
+
+    assert estimate(step, device="cpu").peak_bytes == measured_cpu_peak(step)

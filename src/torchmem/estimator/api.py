@@ -30,7 +30,7 @@ from torchmem.estimator.allocator import (
     expandable_segments,
 )
 from torchmem.estimator.fake import FakeRun, run_fake
-from torchmem.estimator.values import UnknownIndex
+from torchmem.estimator.values import UnknownValue
 from torchmem.recorder.analysis import Names, device_run, module_peaks
 from torchmem.recorder.sources import NO_SITE, Log
 from torchmem.records.estimate import EstimateRecord
@@ -171,7 +171,7 @@ def estimate(fn: Callable[..., Any], *args: Any, device: str = "cuda", **kwargs:
     started = time.perf_counter()
     try:
         fake = run_fake(fn, args, kwargs, cuda=target == "cuda")
-    except UnknownIndex as exc:
+    except UnknownValue as exc:
         raise EstimateError(str(exc)) from None
     except Exception as exc:
         operator = data_dependent_operator(exc)
@@ -190,6 +190,12 @@ def estimate(fn: Callable[..., Any], *args: Any, device: str = "cuda", **kwargs:
         )
     if fake.compiled:
         notes.append(COMPILED)
+    if fake.spread:
+        notes.append(
+            f"Assumed: the choices of {fake.spread} topk call(s) on values the estimate does"
+            " not know (a mixture of experts' router) are spread evenly, each candidate"
+            " (expert) chosen as often as the others."
+        )
     if fake.reads:
         notes.append(
             f"{fake.reads} value(s) read from tensors (.item(), bool(t)) were taken as 1"

@@ -20,6 +20,7 @@ their implementation take CUDA's (``foreach``).
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -44,7 +45,7 @@ from torchmem._compat import (
 )
 from torchmem.estimator.autocast import CudaRules
 from torchmem.estimator.placement import GPU_AS_CPU, OnFakeCpu, any_on, mark
-from torchmem.estimator.values import Values, values_read
+from torchmem.estimator.values import Values, user_line, values_read
 from torchmem.meters.tensor import TensorMeter
 from torchmem.recorder.hooks import Watcher
 from torchmem.recorder.notes import Notes
@@ -67,6 +68,8 @@ LT_MATMULS = frozenset((aten.addmm, aten._addmm_activation))
 """Operators PyTorch runs in cuBLASLt on a GPU (a bias fused in), whose own workspace is
 allocated at the first one, after cuBLAS's."""
 _SCALAR = aten._local_scalar_dense.default
+FAKE_LOG = "torch._subclasses.fake_tensor"
+"""The logger of PyTorch's fake tensors."""
 
 
 @dataclass
@@ -84,6 +87,9 @@ class FakeRun:
     reads: int
     """Values read from tensors (``.item()``, ``bool(t)``) that fake tensors did not know:
     each read gave 1 (False for a boolean)."""
+    spread: int
+    """``topk`` calls on values fake tensors did not know (a router's): their choices
+    were taken as spread evenly over the candidates."""
     compiled: bool
     """Whether the function called ``torch.compile``."""
     stop: int
@@ -203,6 +209,7 @@ class _Operators(DispatchMode):
         self.meter = meter
         self.matmuls: list[tuple[int, bool, bool]] = []
         self.reads = 0
+        self.spread = 0
         self._seen: set[tuple[bool, bool]] = set()
         self.values = Values()
 
@@ -229,15 +236,33 @@ class _Operators(DispatchMode):
         try:
             out = func(*args, **kwargs)
         except Exception as exc:
-            if func is not _SCALAR or data_dependent_operator(exc) is None:
+            if data_dependent_operator(exc) is None:
+                refused = _refused_by_meta(func, args, kwargs)
+                if refused is not None:
+                    out = refused
+                    self.values.compute(func, args, kwargs, out)
+                    return out
+                note = getattr(exc, "add_note", None)  # Python 3.11 on
+                if isinstance(exc, RuntimeError) and note is not None:
+                    note(
+                        f"torchmem estimate: raised by {func} on fake tensors (its meta"
+                        f" kernel), called at {user_line()}; where the same code runs on"
+                        " real tensors, the fake kernel refuses what the real one accepts."
+                    )
                 raise
-            # A value fake tensors do not know (they know a constant's: torch.tensor(0.)).
-            self.reads += 1
-            dtype = args[0].dtype
-            return False if dtype is torch.bool else 1.0 if dtype.is_floating_point else 1
+            if func is not _SCALAR:
+                out = self.values.shaped(func, args, kwargs)
+            else:
+                # A value fake tensors do not know (they know a constant's: torch.tensor(0.)).
+                self.reads += 1
+                dtype = args[0].dtype
+                return False if dtype is torch.bool else 1.0 if dtype.is_floating_point else 1
         finally:
             meter.to_gpu = outer
-        self.values.compute(func, args, kwargs, out)
+        if self.values.spread(func, args, out):
+            self.spread += 1
+        else:
+            self.values.compute(func, args, kwargs, out)
         if gpu and meter.gpu_only:
             mark(out)
         if gpu and func.overloadpacket in MATMULS:
@@ -342,6 +367,49 @@ def _foreach_optimizers() -> Iterator[None]:
             handle.remove()
 
 
+_GROUPED_MM: Any = getattr(getattr(aten, "_grouped_mm", None), "default", None)
+
+
+def _refused_by_meta(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The result of an operator whose fake (meta) kernel refuses dtypes its CPU kernel
+    takes, made on the fake device; None for any other. ``_grouped_mm`` (a mixture of
+    experts' matrix products): its meta kernel takes bfloat16 only, as CUDA's does; the
+    shape is the same whatever the dtype."""
+    if _GROUPED_MM is None or func is not _GROUPED_MM:
+        return None
+
+    def as_meta(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor):
+            return t
+        dtype = torch.bfloat16 if t.is_floating_point() else t.dtype
+        return torch.empty(t.shape, dtype=dtype, device="meta")  # the shape needs no strides
+
+    options = {k: as_meta(v) for k, v in kwargs.items() if k != "out_dtype"}
+    with no_dispatch_modes():
+        shaped = _GROUPED_MM(*(as_meta(a) for a in args), **options)
+    dtype = kwargs.get("out_dtype") or args[0].dtype
+    return torch.empty(shaped.shape, dtype=dtype, device=args[0].device)
+
+
+class _QuietRefusals(logging.Filter):
+    """Drops the fake tensors' log of a meta kernel's refusal that
+    :func:`_refused_by_meta` answers (an error logged, with its traceback, per call)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        refused = str(record.msg).startswith("failed while attempting to run meta")
+        return not (refused and record.args and record.args[0] is _GROUPED_MM)  # type: ignore[index]
+
+
+@contextlib.contextmanager
+def _quiet_refusals() -> Iterator[None]:
+    log, quiet = logging.getLogger(FAKE_LOG), _QuietRefusals()
+    log.addFilter(quiet)
+    try:
+        yield
+    finally:
+        log.removeFilter(quiet)
+
+
 def _address(tensor: torch.Tensor) -> int:
     return storage_key(tensor.untyped_storage())
 
@@ -391,6 +459,7 @@ def run_fake(
         # counts them, and sees a matrix product's result counted.
         stack.enter_context(operators)
         stack.enter_context(values_read(operators.values))
+        stack.enter_context(_quiet_refusals())
         stack.enter_context(torch.random.fork_rng(devices=[]))
         watcher.start()
         try:
@@ -401,4 +470,6 @@ def run_fake(
     events = torch.tensor(meter.rows, dtype=torch.int64).reshape(-1, 5)
     sites = {index: site for site, index in meter.sites.items()}
     log = Log("cpu", base, start, events, sites)
-    return FakeRun(log, watcher, operators.matmuls, operators.reads, bool(compiled), stop)
+    return FakeRun(
+        log, watcher, operators.matmuls, operators.reads, operators.spread, bool(compiled), stop
+    )

@@ -24,9 +24,9 @@ computed on the CPU beside its fake run (batch offsets drawn with ``torch.randin
 what is computed from them)."""
 
 
-class UnknownIndex(Exception):
-    """A value fake tensors do not know is used as an index or a size: guessing it would
-    give a wrong shape (an empty slice) in silence."""
+class UnknownValue(Exception):
+    """A value fake tensors do not know decides a shape (an index, a size, what
+    ``nonzero`` finds): guessing it would give a wrong shape in silence."""
 
 
 def _small_integers(tensor: Any) -> bool:
@@ -34,6 +34,20 @@ def _small_integers(tensor: Any) -> bool:
         return False
     dtype = tensor.dtype
     return not (dtype.is_floating_point or dtype.is_complex) and tensor.numel() <= VALUES_NUMEL
+
+
+def _masks(values: Values, func: Any, args: tuple[Any, ...]) -> list[tuple[int, int]]:
+    """Of each boolean mask that ``tensor[indices]`` (`func`, `args`) indexes with: how
+    many positions it selects, and its dimensions."""
+    if func is not torch.ops.aten.index.Tensor:
+        return []
+    found = [values.value(i) for i in args[1] if i is not None]
+    with no_dispatch_modes():
+        return [
+            (int(v.count_nonzero()), v.dim())
+            for v in found
+            if v is not None and v.dtype in (torch.bool, torch.uint8)
+        ]
 
 
 class Values:
@@ -73,42 +87,114 @@ class Values:
                 if isinstance(arg, FakeTensor):
                     self.known.pop(id(arg), None)
             return
+        computed = self.run(func, args, kwargs)
+        values = computed if isinstance(computed, (tuple, list)) else (computed,)
+        for fake, value in zip(outs, values, strict=False):
+            if isinstance(value, torch.Tensor) and value.shape == fake.shape:
+                self.keep(fake, value)
+
+    def spread(self, func: Any, args: tuple[Any, ...], out: Any) -> bool:
+        """Whether `out`, the ``(values, indices)`` of ``topk`` on values not known (a
+        mixture of experts' router), had its indices taken as spread evenly: row r picks
+        candidates ``r * k``, ..., ``r * k + k - 1`` (modulo their number), so that each
+        candidate is picked as often as the others."""
+        if func is not torch.ops.aten.topk.default or self.value(args[0]) is not None:
+            return False
+        indices = out[1]
+        if indices.numel() > VALUES_NUMEL or not indices.dim():
+            return False
+        dim = (args[2] if len(args) > 2 else -1) % indices.dim()
+        k, candidates = indices.shape[dim], args[0].shape[dim]
+        shape = [*indices.shape[:dim], *indices.shape[dim + 1 :], k]
+        with no_dispatch_modes():
+            rows = torch.arange(indices.numel() // max(k, 1))[:, None] * k
+            chosen = (rows + torch.arange(k)) % max(candidates, 1)
+            self.keep(indices, chosen.reshape(shape).movedim(-1, dim).contiguous())
+        return True
+
+    def run(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """`func` run for real, on the CPU, on the values of its tensors; None where one
+        is not known (or the CPU refuses the call)."""
         real: list[Any] = []
         for arg in args:
             if isinstance(arg, torch.Tensor):
                 arg = self.value(arg)
                 if arg is None:
-                    return
+                    return None
             elif isinstance(arg, (list, tuple)) and any(isinstance(a, torch.Tensor) for a in arg):
                 known = [self.value(a) if isinstance(a, torch.Tensor) else a for a in arg]
                 if any(a is None for a in known):
-                    return
+                    return None
                 arg = type(arg)(known)
             real.append(arg)
         options = dict(kwargs)
         if "device" in options:
             options["device"] = torch.device("cpu")
         if any(isinstance(v, torch.Tensor) for v in options.values()):
-            return
+            return None
         try:
             with no_dispatch_modes():
-                computed = func(*real, **options)
+                return func(*real, **options)
         except Exception:  # an operator the CPU does not run as asked: values stay unknown
-            return
-        values = computed if isinstance(computed, (tuple, list)) else (computed,)
-        for fake, value in zip(outs, values, strict=False):
-            if isinstance(value, torch.Tensor) and value.shape == fake.shape:
-                self.keep(fake, value)
+            return None
+
+    def shaped(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
+        """The result of `func`, whose shape depends on values (``nonzero``, a boolean
+        mask), made as a fake tensor (an allocation the run counts) from the real result
+        on known values; else :class:`UnknownValue` naming the user's line."""
+        real = self.run(func, args, kwargs)
+        if real is None and func is torch.ops.aten.index.Tensor:
+            real = self._index(*args)
+        if not isinstance(real, torch.Tensor):
+            raise UnknownValue(
+                f"{user_line()}: {func} cannot run on fake tensors: its output's shape"
+                " depends on the values of a tensor, which the estimate does not know"
+                " (it knows small integer tensors made by torch.randint, torch.arange,"
+                " torch.tensor and what is computed from them alone). Give the shape a"
+                " fixed size (e.g. a mask multiplied in instead of indexed with)."
+            )
+        device = next(a.device for a in args if isinstance(a, torch.Tensor))
+        # Indexing with a mask first lists the positions it selects, as nonzero does.
+        positions = [
+            torch.empty(count, dims, dtype=torch.long, device=device)
+            for count, dims in _masks(self, func, args)
+        ]
+        out = torch.empty_strided(real.shape, real.stride(), dtype=real.dtype, device=device)
+        del positions
+        if _small_integers(out) and not real.is_meta:
+            self.keep(out, real)
+        return out
+
+    def _index(self, tensor: torch.Tensor, indices: list[torch.Tensor | None]) -> Any:
+        """``tensor[indices]`` as a meta tensor, of the real shape, where the indices'
+        values are known (the indexed tensor's never decide the shape); else None."""
+        known: list[torch.Tensor | None] = []
+        for index in indices:
+            value = None if index is None else self.value(index)
+            if index is not None and value is None:
+                return None
+            known.append(value)
+        with no_dispatch_modes():
+            meta = torch.empty_strided(
+                tensor.shape, tensor.stride(), dtype=tensor.dtype, device="meta"
+            )
+            spread: list[torch.Tensor | None] = []
+            for value in known:  # a mask becomes the positions it selects, one per dim
+                if value is not None and value.dtype in (torch.bool, torch.uint8):
+                    spread.extend(value.nonzero().unbind(1))
+                else:
+                    spread.append(value)
+            return torch.ops.aten.index.Tensor(meta, spread)
 
     def index(self, tensor: torch.Tensor) -> int:
-        """``tensor.__index__()`` on a fake tensor: its real value, or :class:`UnknownIndex`
+        """``tensor.__index__()`` on a fake tensor: its real value, or :class:`UnknownValue`
         naming the user's line."""
         value = self.value(tensor)
         if value is not None and value.numel() == 1:
             with no_dispatch_modes():
                 return int(value.item())
-        raise UnknownIndex(
-            f"{_user_line()}: a tensor's value is used here as an index or a size, and the"
+        raise UnknownValue(
+            f"{user_line()}: a tensor's value is used here as an index or a size, and the"
             " estimate does not know it (a guess of 1 would make a wrong shape, an empty"
             " slice say). The estimate knows the values of small integer tensors made by"
             " torch.randint, torch.arange, torch.tensor and what is computed from them"
@@ -116,7 +202,7 @@ class Values:
         )
 
 
-def _user_line() -> str:
+def user_line() -> str:
     """``file:line`` of the innermost frame of the user's code (or the innermost one)."""
     chosen = choose(
         (kind(f.f_code.co_filename, f.f_code.co_name), f)

@@ -36,6 +36,7 @@ from benchmarks import (
     reporter,
     run as run_command,
     snapshot,
+    zoo,
 )
 from benchmarks.timing import table
 
@@ -69,6 +70,8 @@ class Config:
     whole suite stays under an hour)."""
     tiny_repeat: int = 5
     """Rounds of each contender in the tiny-allocation case (about 40 s a round)."""
+    zoo_models: int | None = None
+    """Models of the estimator's zoo (None: all)."""
     record_repeat: int = 21
     """Rounds of each contender in the recording's fixed-cost case."""
 
@@ -87,6 +90,7 @@ TINY = Config(
     snapshot_entries=2_000,
     long_repeat=1,
     tiny_repeat=1,
+    zoo_models=2,
     record_repeat=3,
 )
 
@@ -168,6 +172,10 @@ def sections(config: Config) -> Iterator[str]:
     yield table(rows) + "\n\n" + snapshot.verdicts(rows)
 
     yield from recorder_sections(config)
+
+    yield "## 14. Estimator model zoo\n\n" + doc(zoo)
+    rows = zoo.measure(config.zoo_models)
+    yield zoo.table(rows) + "\n\n" + zoo.verdicts(rows)
 
 
 def recorder_sections(config: Config, cases: Collection[int] | None = None) -> Iterator[str]:

@@ -137,6 +137,7 @@ def test_the_whole_suite_runs_and_writes_its_sections(monkeypatch):
         "## 11. torchmem run on long training runs",
         "## 12. Many tiny allocations",
         "## 13. A recording's fixed cost",
+        "## 14. Estimator model zoo",
     ]
     assert report.count("Skipped: no CUDA device on this machine.") == 3
     assert "\n".join(shown) + "\n" == report  # each section shown as it was measured
@@ -323,3 +324,16 @@ def test_plugin_verdict_holds_torchmem_to_pytest_memray_in_the_same_run():
         "- pytest, torchmem's limit_memory: +100 ms per test"
         " (target at most pytest-memray's, same run: pytest-memray is not installed)"
     )
+
+
+def test_zoo_benchmark_estimates_real_architectures_as_measured():
+    pytest.importorskip("transformers")
+    from benchmarks import zoo
+
+    rows = zoo.measure(3)
+    assert [row.model for row in rows] == list(zoo.MODELS)[:3]
+    for row in rows:
+        assert row.estimated is not None, row.error
+        assert abs(row.estimated - row.measured) <= 0.02 * row.measured
+    assert [line.endswith(": met)") for line in zoo.verdicts(rows).splitlines()] == [True] * 3
+    assert zoo.table(rows).count("\n") == 2 + 3 - 1

@@ -625,3 +625,20 @@ def test_a_module_namespace_is_left_alone_by_a_recording() -> None:
     namespace: dict[str, object] = {"torch": torch, "record": record}
     exec("with record():\n    kept = torch.zeros(4)\n", namespace)
     assert namespace["kept"].shape == (4,)
+
+
+@pytest.mark.filterwarnings("ignore:Using `torch.compile\\(module\\)` when there are global hooks")
+def test_a_compiled_module_keeps_its_graph_whole_under_a_recording() -> None:
+    # Before, the hooks were opaque to Dynamo: each module's call broke the graph.
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))
+    compiled = torch.compile(model, backend="eager")
+    with torchmem.record("cpu") as rec:
+        for _ in range(2):
+            compiled(torch.randn(8, 64)).sum().backward()
+    assert sum(counters["graph_break"].values()) == 0
+    assert counters["stats"]["unique_graphs"] == 1
+    assert any(note.startswith("Compiled modules ran") for note in rec.report().notes)

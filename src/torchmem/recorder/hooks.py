@@ -105,10 +105,8 @@ class Watcher:
         """id() of a parameter -> the backward passes waiting for its gradient."""
         self._marked: dict[int, tuple[Any, ...]] = {}
         """id() of a module or optimizer -> where its tensors were when last marked."""
-        # Dynamo must not trace the hooks (it fails on them): they run eagerly, and a
-        # compiled module breaks its graph around them.
         self._hooks = [
-            _opaque(h) for h in (self._forward_pre, self._forward, self._step_pre, self._step)
+            _eager_only(h) for h in (self._forward_pre, self._forward, self._step_pre, self._step)
         ]
         self._saved_hooks = (_opaque(self._pack), _opaque(_unpack))
         self._accumulated_hook = _opaque(self._accumulated)
@@ -394,6 +392,21 @@ def _opaque(hook: Callable[..., Any]) -> Callable[..., Any]:
         return hook(*args)
 
     return call if keep_dynamo_out(call) else disable_dynamo(call)
+
+
+def _eager_only(hook: Callable[..., Any]) -> Callable[..., Any]:
+    """`hook` where the program runs eagerly, and nothing where Dynamo traces it: Dynamo
+    reads the test as a constant and leaves the call out, so a compiled region keeps its
+    graph whole (an opaque hook broke it at each module), and is measured from the
+    outside: its allocations counted, its modules not seen one by one."""
+    opaque = _opaque(hook)
+
+    def call(*args: Any) -> Any:
+        if torch.compiler.is_compiling():
+            return None
+        return opaque(*args)
+
+    return call
 
 
 def _data_ptr(tensor: torch.Tensor) -> int:

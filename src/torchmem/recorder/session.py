@@ -244,6 +244,12 @@ class Recording:
                     " were (parameters, gradients, ...) were not kept: allocations made"
                     " before them and freed since may count as other."
                 )
+        if "OptimizedModule" in watcher.modules.values():
+            notes.append(
+                "Compiled modules ran (torch.compile): each call is measured from the outside,"
+                " its allocations and peak counted under its OptimizedModule; the modules"
+                " inside are not seen one by one (the graph is the one compiled without us)."
+            )
         for laps in self._laps:
             devices[laps.device] = laps_run(laps)
             if laps.device == "cpu":

@@ -265,3 +265,25 @@ def test_grouped_matrix_products_in_float32_estimate_as_the_cpu_runs_them() -> N
     # The meta kernel takes bfloat16 only (as CUDA's); the CPU kernel takes float32.
     found = estimate(grouped_step, device="cpu")
     assert found.peak_bytes == measured_cpu_peak("grouped_step")
+
+
+def test_the_command_line_refuses_batch_for_a_script_and_asks_for_a_forgotten_one(
+    tmp_path,
+) -> None:  # type: ignore[no-untyped-def]
+    (tmp_path / "steps.py").write_text("import torch\n\ndef step(batch):\n    torch.empty(batch)\n")
+    (tmp_path / "train.py").write_text("import torch\n\ntorch.empty(10)\n")
+
+    def estimate_command(*words: str) -> subprocess.CompletedProcess[str]:
+        command = [sys.executable, "-m", "torchmem", "estimate", "--device", "cpu", *words]
+        return subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, check=False)
+
+    # Ignored before: the script ran, without a word.
+    script = estimate_command("--batch", "4", "train.py")
+    assert script.returncode == 1
+    assert "--batch takes a MODULE:FUNCTION" in script.stderr
+    # A traceback through torchmem's code before.
+    forgotten = estimate_command("steps:step")
+    assert forgotten.returncode == 1
+    assert "steps:step(batch) cannot be called with no arguments" in forgotten.stderr
+    assert "Traceback" not in forgotten.stderr
+    assert estimate_command("steps:step", "--batch", "4").returncode == 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import inspect
 import os
 import sys
 from collections.abc import Callable
@@ -58,7 +59,20 @@ class EstimateCommand(Command):
             # A function takes no arguments of its own: what follows it are options.
             self._parser.parse_args([*args.args, args.target], namespace=args)
             args.target, args.args = args.words[0], []
+        if args.batch is not None and args.target.endswith(".py"):
+            raise CommandError("--batch takes a MODULE:FUNCTION: a script reads its own arguments")
         fn, call_args = _target(args.target, args.args, args.batch)
+        if args.capacity is None and not args.target.endswith(".py"):
+            try:
+                inspect.signature(fn).bind(*call_args)
+            except TypeError:
+                raise CommandError(
+                    f"{args.target}{inspect.signature(fn)} cannot be called with"
+                    f" {'no arguments' if not call_args else f'batch {args.batch}'}:"
+                    " give it its batch size with --batch N"
+                ) from None
+            except ValueError:  # no signature to read (a builtin): the call will say
+                pass
         try:
             if args.capacity is not None:
                 if args.batch is not None or args.target.endswith(".py"):

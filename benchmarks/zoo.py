@@ -32,10 +32,6 @@ def _text(config: str, model: str, **options: Any) -> Callable[[], None]:
     return lambda: _train(config, model, options, {"input_ids": "ids", "labels": "ids"})
 
 
-def _seq2seq(config: str, model: str, **options: Any) -> Callable[[], None]:
-    return lambda: _train(config, model, options, {"input_ids": "ids", "labels": "ids"})
-
-
 def _image(config: str, model: str, **options: Any) -> Callable[[], None]:
     return lambda: _train(config, model, options, {"pixel_values": "image", "labels": "label"})
 
@@ -73,7 +69,7 @@ MODELS: dict[str, Callable[[], None]] = {
         hidden_dim=256,
         vocab_size=1000,
     ),
-    "T5": _seq2seq(
+    "T5": _text(
         "T5Config",
         "T5ForConditionalGeneration",
         d_model=128,
@@ -84,7 +80,7 @@ MODELS: dict[str, Callable[[], None]] = {
         vocab_size=1000,
         decoder_start_token_id=0,
     ),
-    "BART": _seq2seq(
+    "BART": _text(
         "BartConfig",
         "BartForConditionalGeneration",
         d_model=128,

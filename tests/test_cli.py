@@ -309,16 +309,6 @@ def test_a_broken_pipe_exits_quietly(no_gpu, monkeypatch, capsys):
     assert capsys.readouterr().err == ""
 
 
-def test_a_file_that_cannot_be_written_is_named(monkeypatch, capsys, tmp_path):
-    script = tmp_path / "script.py"
-    script.write_text("print('ran')\n")
-    target = tmp_path / "missing" / "report.json"
-    assert main(["run", "-q", "--json", str(target), str(script)]) == 1
-    out, err = capsys.readouterr()
-    assert out == "ran\n"
-    assert err == f"torchmem run: error: [Errno 2] No such file or directory: '{target}'\n"
-
-
 def run_module(argv, stdout, buffered=True):
     """``python -m torchmem *argv`` with its stdout on `stdout`, without a GPU."""
     env = environ_without_gpu()

@@ -1,8 +1,6 @@
 """``python -m torchmem``: the same command line as the ``torchmem`` script."""
 
-import sys
-
-from torchmem.cli import main
+from torchmem.cli import run
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

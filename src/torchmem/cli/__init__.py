@@ -11,7 +11,8 @@ import contextlib
 import os
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from types import TracebackType
 from typing import Protocol, TextIO
 
 from torchmem._version import __version__
@@ -38,7 +39,8 @@ what a shell reports for a tool that SIGPIPE ended (141), 1 where there is no SI
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line with `argv` (default: ``sys.argv[1:]``); return the exit code.
+    """Run the command line with `argv` (default: ``sys.argv[1:]``); return the exit code
+    (130 where Ctrl-C ended it: :func:`run`, the installed command, dies by SIGINT then).
 
     Without a command, print the help. The words before the command are torchmem's own
     options; the words after it go to the command's parser, so a usage error shows the
@@ -48,6 +50,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     stderr and exit code 1; a reader that went away (a broken pipe) ends it quietly with
     :data:`BROKEN_PIPE_EXIT`.
     """
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        return 130
+
+
+def _main(argv: Sequence[str] | None) -> int:
+    """:func:`main`, but Ctrl-C raises KeyboardInterrupt out of it."""
     words = list(sys.argv[1:] if argv is None else argv)
     parser = _Parser(
         prog="torchmem",
@@ -91,8 +101,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         except CommandError as exc:
             print(f"{prog}: error: {exc}", file=sys.stderr)
             return exc.exit_code
-        except KeyboardInterrupt:
-            return 130
     except OSError as exc:
         return _output_failed(exc, prog)
 
@@ -162,5 +170,26 @@ def _unwritable(stream: TextIO | None) -> bool:
 
 
 def run() -> None:
-    """Entry point of the installed ``torchmem`` script."""
-    sys.exit(main())
+    """Entry point of the installed ``torchmem`` script (and ``python -m torchmem``).
+
+    Ctrl-C ends it as it ends ``python``: once the atexit handlers have run, the process
+    dies by SIGINT, so that the shell (a loop over runs) sees the interrupt. What was
+    interrupted has said so already (``torchmem run`` shows the script's traceback and
+    the report): Python's own traceback of it is left out.
+    """
+    try:
+        code = _main(None)
+    except KeyboardInterrupt:
+        sys.excepthook = _quiet_about_interrupts(sys.excepthook)
+        raise  # Python's exit for an uncaught KeyboardInterrupt is a death by SIGINT
+    sys.exit(code)
+
+
+def _quiet_about_interrupts(hook: Callable[..., object]) -> Callable[..., object]:
+    """`hook` (``sys.excepthook``), but silent for KeyboardInterrupt."""
+
+    def quiet(kind: type[BaseException], error: BaseException, tb: TracebackType | None) -> None:
+        if not issubclass(kind, KeyboardInterrupt):
+            hook(kind, error, tb)
+
+    return quiet

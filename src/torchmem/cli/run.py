@@ -7,13 +7,15 @@ import atexit
 import contextlib
 import importlib.util
 import os
+import pkgutil
 import sys
 import threading
 import traceback
 from dataclasses import dataclass, replace
+from importlib.machinery import ModuleSpec
 from pathlib import Path
 from types import ModuleType, TracebackType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from torchmem.cli.command import Command
 from torchmem.errors import CommandError, TorchmemError
@@ -22,12 +24,17 @@ if TYPE_CHECKING:
     from torchmem.ranks import Launch, RanksReport
     from torchmem.recorder import Recording, RunReport
 
+INTERRUPTED = 130
+"""The exit code of a script that Ctrl-C ended (128 + SIGINT), where it is not a signal:
+the report's ``exit_code``, and :func:`torchmem.cli.main`'s return value."""
+
 
 class RunCommand(Command):
     name = "run"
     help = "run a script and say where its memory went"
     description = (
-        "Run a Python script (or -m module) as __main__ with its own arguments, recording"
+        "Run a Python script (a directory or zip file with a __main__.py, or -m module) as"
+        " __main__ with its own arguments, recording"
         " every allocation, then print where the memory went: per device the peak, when"
         " it happened and the end; parameters, gradients, optimizer state, activations"
         " and other bytes at the peak; the lines whose allocations were alive at the peak;"
@@ -56,7 +63,11 @@ class RunCommand(Command):
             " opens it; under torchrun each rank writes PATH with .rankN before its suffix)",
         )
         parser.add_argument(
-            "--top", type=int, default=10, metavar="N", help="list N sites, tensors, modules"
+            "--top",
+            type=int,
+            default=10,
+            metavar="N",
+            help="list N sites, tensors, modules (default: %(default)s)",
         )
         parser.add_argument(
             "-q", "--quiet", action="store_true", help="print no summary (with --json/--html)"
@@ -77,9 +88,6 @@ class RunCommand(Command):
         parser.add_argument("script", nargs=argparse.REMAINDER, metavar="SCRIPT ARGS")
 
     def run(self, args: argparse.Namespace) -> int:
-        from torchmem.ranks import Launch
-        from torchmem.recorder import record
-
         if args.top < 1:
             raise CommandError(f"--top must be at least 1, not {args.top}", 2)
         words = args.script[1:] if args.script[:1] == ["--"] else args.script
@@ -89,14 +97,19 @@ class RunCommand(Command):
             target, argv, is_module = args.module[0], args.module, True
         elif words:
             target, argv, is_module = words[0], words, False
-            if not Path(target).is_file():
+            if not os.path.exists(target):
                 raise CommandError(f"can't open file {target!r}: no such file", 2)
         else:
             raise CommandError("nothing to run: give a SCRIPT or -m MODULE", 2)
-        # The report's files go where torchmem started, wherever the script moves to.
+        # The report's files go where torchmem started, wherever the script moves to; a
+        # path that cannot be written is said now, not after a long run.
         for option in ("json", "html", "snapshot"):
             if getattr(args, option):
-                setattr(args, option, os.path.abspath(getattr(args, option)))
+                setattr(args, option, _writable(getattr(args, option), option))
+
+        from torchmem.ranks import Launch  # PyTorch: not before the usage is known good
+        from torchmem.recorder import record
+
         try:
             recording = record(args.device, sites=args.sites)
             launch = Launch.from_environ()
@@ -112,7 +125,10 @@ class RunCommand(Command):
         threads = set(threading.enumerate())
         recording.start()
         try:
-            code, error = _execute(target, argv, is_module, run.main)
+            code, error, interrupted = _execute(target, argv, is_module, run.main)
+        except _NotRunnable as exc:  # as python says it: one line, no report of nothing
+            recording.stop()
+            raise CommandError(str(exc)) from None
         except BaseException:
             recording.stop(vars(run.main))
             raise
@@ -121,8 +137,13 @@ class RunCommand(Command):
             # the atexit handlers, the last registered first: the report comes after the
             # threads, before the script's own handlers.
             atexit.register(_finish_at_exit, run, code, error)
-            return code
-        return run.finish(code, error)
+        else:
+            code = run.finish(code, error)
+        if interrupted:
+            # As python: the process dies by SIGINT once the atexit handlers have run, so
+            # that a shell loop over it stops too (see torchmem.cli.run).
+            raise KeyboardInterrupt
+        return code
 
 
 @dataclass(frozen=True)
@@ -150,13 +171,14 @@ class _Run:
         args, launch = self.args, self.launch
         self.recording.stop(vars(self.main))
         report = replace(self.recording.report(args.top), exit_code=code, command=self.command)
+        written = True
         if launch is None:
-            _publish(report, args)
+            written = _publish(report, args)
         else:
             try:
                 ranks = launch.exchange(report, error, top=args.top)
                 if ranks is not None:
-                    _publish(ranks, args)
+                    written = _publish(ranks, args)
             finally:
                 launch.finish()
         if args.snapshot:
@@ -165,46 +187,96 @@ class _Run:
                 path = path.with_name(f"{path.stem}.rank{launch.rank}{path.suffix}")
             try:
                 self.recording.save_snapshot(path)
-            except TorchmemError as exc:
-                raise CommandError(str(exc)) from None
-        return code
+            except (TorchmemError, OSError) as exc:
+                written = _failed_to_write("--snapshot", exc)
+        return code if written or code else 1
 
 
 def _finish_at_exit(run: _Run, code: int, error: str | None) -> None:
-    """:meth:`_Run.finish` as Python exits; a report it cannot write is said in one line
-    on stderr (the exit code is the script's by then: an atexit handler cannot change it)."""
+    """:meth:`_Run.finish` as Python exits (the exit code is the script's by then: an
+    atexit handler cannot change it)."""
     try:
         run.finish(code, error)
-    except (CommandError, OSError) as exc:
-        with contextlib.suppress(OSError, ValueError):
-            print(f"torchmem run: error: {exc}", file=sys.stderr)
+    except CommandError as exc:
+        _say(f"torchmem run: error: {exc}")
 
 
-def _publish(report: RunReport | RanksReport, args: argparse.Namespace) -> None:
-    """Write `report` where the options say, and print it on stderr unless ``--quiet``."""
-    if args.json:
-        report.save_json(args.json)
-    if args.html:
-        report.save_html(args.html)
+def _writable(path: str, option: str) -> str:
+    """`path` made absolute, once it is known that a file can be written there."""
+    path = os.path.abspath(path)
+    folder = os.path.dirname(path)
+    why = None
+    if os.path.isdir(path):
+        why = "it is a directory"
+    elif not os.path.isdir(folder):
+        why = f"no directory {folder}"
+    elif not os.access(folder if not os.path.exists(path) else path, os.W_OK):
+        why = "permission denied"
+    if why is not None:
+        raise CommandError(f"cannot write --{option} {path}: {why}", 2)
+    return path
+
+
+def _publish(report: RunReport | RanksReport, args: argparse.Namespace) -> bool:
+    """Print `report` on stderr unless ``--quiet``, then write it where the options say;
+    return whether every file was written (each one that was not is said in one line)."""
     if not args.quiet:
+        _say(f"\n{report}")
+    written = True
+    for option, save in (("--json", report.save_json), ("--html", report.save_html)):
+        path = getattr(args, option[2:])
+        if path:
+            try:
+                save(path)
+            except OSError as exc:
+                written = _failed_to_write(option, exc)
+    return written
+
+
+def _failed_to_write(option: str, error: Exception) -> bool:
+    """Say in one line on stderr that `option`'s file was not written; return False."""
+    _say(f"torchmem run: error: {option} not written: {error}")
+    return False
+
+
+def _say(text: str) -> None:
+    """Print `text` on stderr, where the script left one: a script may close it (Python
+    then exits as the script asked, and so does this)."""
+    with contextlib.suppress(ValueError, AttributeError):  # closed, or None
         sys.stdout.flush()
-        print(f"\n{report}", file=sys.stderr)
+    with contextlib.suppress(ValueError, AttributeError):
+        print(text, file=sys.stderr, flush=True)
 
 
-def _execute(
-    target: str, argv: list[str], is_module: bool, main: ModuleType
-) -> tuple[int, str | None]:
+class _Ended(NamedTuple):
+    """How the script ended."""
+
+    code: int
+    """Its exit code."""
+    error: str | None
+    """The last line of its traceback (``"ValueError: boom"``), where it raised."""
+    interrupted: bool
+    """Whether by Ctrl-C (a KeyboardInterrupt it did not catch)."""
+
+
+class _NotRunnable(Exception):
+    """Nothing to run: no such module, no ``__main__`` in the directory. Said in one line,
+    as ``python`` says it, with no report (the script never started)."""
+
+
+def _execute(target: str, argv: list[str], is_module: bool, main: ModuleType) -> _Ended:
     """Run `target` in `main` as ``__main__`` with ``sys.argv`` = `argv`, as ``python``
-    runs a script (``python -m`` a module); return its exit code and, where it raised,
-    the last line of its traceback (``"ValueError: boom"``).
+    runs a script, a directory or zip file with a ``__main__.py``, or (``python -m``) a
+    module; say how it ended.
 
     ``sys.argv``, ``sys.path`` and ``__main__`` stay the script's afterwards, as under
     ``python``: its threads and atexit handlers run after it returns, and may pickle a
     class it defined or import a module next to it.
 
     An uncaught exception prints its traceback through ``sys.excepthook``, as Python
-    would, without torchmem's frames; under ``torchrun`` it also goes to the launcher's
-    error file, which torchrun's failure summary shows.
+    would, without torchmem's frames (a hook that raises gets Python's own words, then
+    the original traceback); under ``torchrun`` it also goes to the launcher's error
+    file, which torchrun's failure summary shows.
     """
     sys.argv = list(argv)
     sys.modules["__main__"] = main
@@ -213,16 +285,18 @@ def _execute(
             sys.path.insert(0, os.getcwd())
             _run_module(target, main)
         else:
-            sys.path.insert(0, str(Path(target).resolve().parent))
-            run_script(target, main)
+            _run_path(target, main)
     except SystemExit as exc:
         if exc.code is None or isinstance(exc.code, int):
-            return exc.code or 0, None
-        print(exc.code, file=sys.stderr)
-        return 1, None
+            return _Ended(exc.code or 0, None, False)
+        with contextlib.suppress(ValueError, AttributeError):  # a stderr the script closed
+            print(exc.code, file=sys.stderr)
+        return _Ended(1, None, False)
+    except _NotRunnable:
+        raise
     except BaseException as exc:  # the script's own error: shown as Python shows it
         tb = _user_frames(exc.__traceback__)
-        sys.excepthook(type(exc), exc.with_traceback(tb), tb)
+        _show(exc.with_traceback(tb))
         if os.environ.get("TORCHELASTIC_ERROR_FILE"):
             # Only a courtesy to torchrun's summary: it must not replace the script's error.
             with contextlib.suppress(ImportError, OSError):
@@ -230,8 +304,38 @@ def _execute(
 
                 get_error_handler().record_exception(exc)
         error = traceback.format_exception_only(exc)[-1].strip()
-        return 130 if isinstance(exc, KeyboardInterrupt) else 1, error
-    return 0, None
+        interrupted = isinstance(exc, KeyboardInterrupt)
+        return _Ended(INTERRUPTED if interrupted else 1, error, interrupted)
+    return _Ended(0, None, False)
+
+
+def _show(error: BaseException) -> None:
+    """Show `error` through ``sys.excepthook``, as Python does an uncaught one; where the
+    hook itself raises, as Python does then: the hook's error, then the original."""
+    try:
+        sys.excepthook(type(error), error, error.__traceback__)
+    except BaseException as hook_error:  # the script's hook: whatever it raises
+        with contextlib.suppress(ValueError, AttributeError):  # a stderr the script closed
+            print("Error in sys.excepthook:", file=sys.stderr)
+            sys.__excepthook__(type(hook_error), hook_error, hook_error.__traceback__)
+            print("\nOriginal exception was:", file=sys.stderr)
+            sys.__excepthook__(type(error), error, error.__traceback__)
+
+
+def _run_path(path: str, main: ModuleType) -> None:
+    """Execute the script at `path`, or the ``__main__.py`` of the directory or zip file
+    at `path`, with ``sys.path[0]`` where ``python`` puts it."""
+    where = os.path.abspath(path)
+    importer = pkgutil.get_importer(where)  # None for a plain file
+    if importer is None:
+        sys.path.insert(0, os.path.dirname(where))
+        run_script(path, main)
+        return
+    spec = importer.find_spec("__main__")
+    if spec is None:
+        raise _NotRunnable(f"can't find '__main__' module in {path!r}")
+    sys.path.insert(0, where)
+    _exec_spec(spec, main, package="")
 
 
 def run_script(path: str, main: ModuleType) -> None:
@@ -254,25 +358,30 @@ def _run_module(name: str, main: ModuleType) -> None:
     if spec is not None and spec.submodule_search_locations is not None:
         package, spec = name, importlib.util.find_spec(f"{name}.__main__")
         if spec is None:
-            raise ImportError(
+            raise _NotRunnable(
                 f"No module named {package}.__main__;"
                 f" {package!r} is a package and cannot be directly executed"
             )
     if spec is None:
-        raise ImportError(f"No module named {name}")
+        raise _NotRunnable(f"No module named {name}")
+    sys.argv[0] = spec.origin or name
+    _exec_spec(spec, main, package=spec.parent or "")
+
+
+def _exec_spec(spec: ModuleSpec, main: ModuleType, package: str) -> None:
+    """Execute the module that `spec` finds in `main`, as its ``__main__``."""
     get_code = getattr(spec.loader, "get_code", None)
     code = get_code(spec.name) if get_code is not None else None
     if code is None:
-        raise ImportError(f"No code object available for {name}")
+        raise _NotRunnable(f"No code object available for {spec.name}")
     vars(main).update(
         __file__=spec.origin,
         __cached__=spec.cached,
         __loader__=spec.loader,
-        __package__=spec.parent,
+        __package__=package,
         __spec__=spec,
         __builtins__=__builtins__,
     )
-    sys.argv[0] = spec.origin or name
     exec(code, vars(main))
 
 

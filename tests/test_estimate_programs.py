@@ -287,3 +287,70 @@ def test_the_command_line_refuses_batch_for_a_script_and_asks_for_a_forgotten_on
     assert "steps:step(batch) cannot be called with no arguments" in forgotten.stderr
     assert "Traceback" not in forgotten.stderr
     assert estimate_command("steps:step", "--batch", "4").returncode == 0
+
+
+def test_the_functions_own_error_keeps_its_traceback_and_bad_options_are_one_line(
+    tmp_path,
+) -> None:  # type: ignore[no-untyped-def]
+    (tmp_path / "train.py").write_text('import torch\n\nlr = float("0.1x")\n')
+    (tmp_path / "steps.py").write_text("import torch\n\ndef step(batch):\n    torch.empty(batch)\n")
+
+    def estimate_command(*words: str) -> subprocess.CompletedProcess[str]:
+        command = [sys.executable, "-m", "torchmem", "estimate", *words]
+        return subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, check=False)
+
+    # One line, "error: could not convert...", before: the traceback was lost.
+    own = estimate_command("--device", "cpu", "train.py")
+    assert own.returncode == 1
+    assert own.stderr.startswith("Traceback (most recent call last):\n"), own.stderr
+    assert 'File "train.py", line 3, in <module>' in own.stderr
+    assert own.stderr.endswith("ValueError: could not convert string to float: '0.1x'\n")
+    assert "torchmem" not in own.stderr.partition("train.py")[0]  # none of our frames first
+    for words, said in [
+        (("--device", "tpu"), "cannot estimate for device 'tpu': use 'cuda' or 'cpu'"),
+        (("--capacity", "3x"), "invalid size '3x'"),
+    ]:
+        bad = estimate_command(
+            *words, "steps:step", *(() if "--capacity" in words else ("--batch", "4"))
+        )
+        assert bad.returncode == 2
+        assert bad.stderr.startswith(f"torchmem estimate: error: {said}"), bad.stderr
+        assert len(bad.stderr.splitlines()) == 1
+
+
+def test_a_real_tensor_met_in_the_fake_run_is_refused_and_left_unchanged() -> None:
+    weights = torch.ones(4)
+
+    def step(batch: int) -> torch.Tensor:
+        weights.mul_(5.0)
+        return torch.randn(batch, 4) * weights
+
+    # It became 5.0, then failed inside PyTorch, before.
+    with pytest.raises(EstimateError) as refused:
+        estimate(step, 8, device="cpu")
+    line = step.__code__.co_firstlineno + 1
+    assert str(refused.value).startswith(
+        f"aten.mul_.Tensor at {__file__}:{line} was given a real tensor (torch.float32 (4,)"
+        " on cpu), made before the estimate began"
+    )
+    assert weights.tolist() == [1.0, 1.0, 1.0, 1.0]
+
+
+def loader_step(batch: int, workers: int) -> None:
+    from torch.utils.data import DataLoader, TensorDataset
+
+    data = TensorDataset(torch.randn(64, 256))
+    model = torch.nn.Linear(256, 256, bias=False)
+    loader = DataLoader(data, batch_size=batch, num_workers=workers, persistent_workers=workers > 0)
+    for (x,) in loader:
+        model(x).sum().backward()
+    assert loader.num_workers == workers  # the loader is as it was made
+
+
+def test_a_dataloaders_workers_make_their_batches_in_the_estimating_process() -> None:
+    # Ended in a PyTorch-internal error from the workers before.
+    with_workers = estimate(loader_step, 16, 2, device="cpu")
+    in_process = estimate(loader_step, 16, 0, device="cpu")
+    assert with_workers.peak_bytes == in_process.peak_bytes
+    assert any(note.startswith("DataLoader workers: 1 pass(es)") for note in with_workers.notes)
+    assert not any(note.startswith("DataLoader") for note in in_process.notes)

@@ -34,11 +34,10 @@ _EXPORTS = {
         "nvml_handle",
         "preload_pytorch",
     ),
-    "torchmem.errors": ("SnapshotError", "TorchmemError", "TorchmemWarning"),
+    "torchmem.errors": ("EstimateError", "SnapshotError", "TorchmemError", "TorchmemWarning"),
     "torchmem.estimator": (
         "estimate",
         "Estimate",
-        "EstimateError",
         "max_batch_size",
     ),
     "torchmem.lines": (
@@ -159,13 +158,13 @@ if _typing.TYPE_CHECKING:
         preload_pytorch as preload_pytorch,
     )
     from torchmem.errors import (
+        EstimateError as EstimateError,
         SnapshotError as SnapshotError,
         TorchmemError as TorchmemError,
         TorchmemWarning as TorchmemWarning,
     )
     from torchmem.estimator import (
         Estimate as Estimate,
-        EstimateError as EstimateError,
         estimate as estimate,
         max_batch_size as max_batch_size,
     )

@@ -24,6 +24,10 @@ class SnapshotError(TorchmemError):
     a pickle that asks to run code (refused: nothing from it runs)."""
 
 
+class EstimateError(TorchmemError):
+    """A function cannot be estimated on fake tensors (the message says why)."""
+
+
 class TorchmemWarning(UserWarning):
     """Something torchmem could not do as well as it would have liked (it says what it
     does instead)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import inspect
 import os
@@ -13,7 +14,7 @@ from types import ModuleType
 from typing import Any
 
 from torchmem.cli.command import Command
-from torchmem.cli.run import run_script
+from torchmem.cli.run import run_script, show_uncaught
 from torchmem.errors import CommandError
 
 
@@ -73,16 +74,34 @@ class EstimateCommand(Command):
                 ) from None
             except ValueError:  # no signature to read (a builtin): the call will say
                 pass
+        if args.capacity is not None and (args.batch is not None or args.target.endswith(".py")):
+            raise CommandError("--capacity takes a MODULE:FUNCTION and no --batch")
+        started = False
+
+        @functools.wraps(fn)
+        def called(*call: Any) -> Any:
+            nonlocal started
+            started = True
+            return fn(*call)
+
         try:
             if args.capacity is not None:
-                if args.batch is not None or args.target.endswith(".py"):
-                    raise CommandError("--capacity takes a MODULE:FUNCTION and no --batch")
-                found = max_batch_size(fn, args.capacity, device=args.device)
+                found = max_batch_size(called, args.capacity, device=args.device)
                 print(f"largest batch size that fits {args.capacity} on {args.device}: {found}")
                 return 0
-            result = estimate(fn, *call_args, device=args.device)
-        except (EstimateError, ValueError) as exc:
+            result = estimate(called, *call_args, device=args.device)
+        except EstimateError as exc:
             raise CommandError(str(exc)) from None
+        except CommandError:
+            raise
+        except ValueError as exc:
+            if started:
+                show_uncaught(exc)
+                return 1
+            raise CommandError(str(exc), 2) from None  # --device, --capacity, the settings
+        except Exception as exc:  # the function's own error, as python shows it
+            show_uncaught(exc)
+            return 1
         print(result)
         if args.html:
             result.save_html(args.html)

@@ -295,8 +295,7 @@ def _execute(target: str, argv: list[str], is_module: bool, main: ModuleType) ->
     except _NotRunnable:
         raise
     except BaseException as exc:  # the script's own error: shown as Python shows it
-        tb = _user_frames(exc.__traceback__)
-        _show(exc.with_traceback(tb))
+        show_uncaught(exc)
         if os.environ.get("TORCHELASTIC_ERROR_FILE"):
             # Only a courtesy to torchrun's summary: it must not replace the script's error.
             with contextlib.suppress(ImportError, OSError):
@@ -309,9 +308,11 @@ def _execute(target: str, argv: list[str], is_module: bool, main: ModuleType) ->
     return _Ended(0, None, False)
 
 
-def _show(error: BaseException) -> None:
-    """Show `error` through ``sys.excepthook``, as Python does an uncaught one; where the
-    hook itself raises, as Python does then: the hook's error, then the original."""
+def show_uncaught(error: BaseException) -> None:
+    """Show the script's `error` through ``sys.excepthook``, as Python does an uncaught
+    one, without torchmem's frames before the script's; where the hook itself raises, as
+    Python does then: the hook's error, then the original."""
+    error = error.with_traceback(_user_frames(error.__traceback__))
     try:
         sys.excepthook(type(error), error, error.__traceback__)
     except BaseException as hook_error:  # the script's hook: whatever it raises
@@ -387,10 +388,13 @@ def _exec_spec(spec: ModuleSpec, main: ModuleType, package: str) -> None:
 
 def _user_frames(tb: TracebackType | None) -> TracebackType | None:
     """`tb` without its leading frames of torchmem and of Python's import machinery."""
-    ours = {__file__}
     while tb is not None and (
-        tb.tb_frame.f_code.co_filename in ours
+        tb.tb_frame.f_code.co_filename.startswith(_PACKAGE)
         or tb.tb_frame.f_code.co_filename.startswith("<frozen ")
     ):
         tb = tb.tb_next
     return tb
+
+
+_PACKAGE = os.path.dirname(os.path.dirname(__file__)) + os.sep
+"""torchmem's folder: its files' names start with it."""

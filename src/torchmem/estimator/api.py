@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from torchmem._compat import data_dependent_operator
-from torchmem.errors import TorchmemError
+from torchmem.errors import EstimateError
 from torchmem.estimator.allocator import (
     SMALL_BUFFER as SEGMENT_GRANULE,
     CachingAllocator,
@@ -74,10 +74,6 @@ COMPILED = (
 )
 MAX_BATCH = 2**40
 """The largest batch :func:`max_batch_size` tries."""
-
-
-class EstimateError(TorchmemError):
-    """The function cannot be estimated on fake tensors (the message says why)."""
 
 
 @dataclass(frozen=True)
@@ -162,6 +158,7 @@ def estimate(fn: Callable[..., Any], *args: Any, device: str = "cuda", **kwargs:
     naming the operator.
     """
     target = _target(device)
+    workspace = _workspace_bytes() if target == "cuda" else 0  # its setting read first
     for value in (*args, *kwargs.values()):
         if isinstance(value, (torch.Tensor, torch.nn.Module, torch.optim.Optimizer)):
             raise TypeError(
@@ -190,6 +187,12 @@ def estimate(fn: Callable[..., Any], *args: Any, device: str = "cuda", **kwargs:
         )
     if fake.compiled:
         notes.append(COMPILED)
+    if fake.loaders:
+        notes.append(
+            f"DataLoader workers: {fake.loaders} pass(es) over a DataLoader with num_workers > 0"
+            " made their batches in this process (an estimate follows one process); the"
+            " batches, and the memory they take in the step, are the same."
+        )
     if fake.spread:
         notes.append(
             f"Assumed: the choices of {fake.spread} topk call(s) on values the estimate does"
@@ -201,10 +204,9 @@ def estimate(fn: Callable[..., Any], *args: Any, device: str = "cuda", **kwargs:
             f"{fake.reads} value(s) read from tensors (.item(), bool(t)) were taken as 1"
             " (False for booleans): fake tensors have no values."
         )
-    log, reserved, workspace, expandable = fake.log, None, 0, False
+    log, reserved, expandable = fake.log, None, False
     requests: tuple[int, ...] = ()
     if target == "cuda":
-        workspace = _workspace_bytes()
         expandable = expandable_segments()
         allocator = CachingAllocator(expandable=expandable)
         log, requests = _on_cuda(fake, allocator, workspace)

@@ -43,8 +43,10 @@ from torchmem._compat import (
     no_dispatch_modes,
     storage_key,
 )
+from torchmem.errors import EstimateError
 from torchmem.estimator.autocast import CudaRules
-from torchmem.estimator.placement import GPU_AS_CPU, OnFakeCpu, any_on, mark
+from torchmem.estimator.loaders import loaders_in_process
+from torchmem.estimator.placement import GPU_AS_CPU, OnFakeCpu, any_on, mark, real_tensor
 from torchmem.estimator.values import Values, user_line, values_read
 from torchmem.meters.tensor import TensorMeter
 from torchmem.recorder.hooks import Watcher
@@ -92,6 +94,9 @@ class FakeRun:
     were taken as spread evenly over the candidates."""
     compiled: bool
     """Whether the function called ``torch.compile``."""
+    loaders: int
+    """Iterations over a DataLoader with workers, which made their batches in this
+    process (see :mod:`torchmem.estimator.loaders`)."""
     stop: int
     """``time.monotonic_ns()`` when the run ended."""
 
@@ -222,6 +227,14 @@ class _Operators(DispatchMode):
     ) -> Any:
         meter = self.meter
         kwargs = kwargs or {}
+        real = real_tensor(func, (*args, *kwargs.values()))
+        if real is not None:  # before any kernel can change it
+            raise EstimateError(
+                f"{func} at {user_line()} was given a real tensor ({real.dtype}"
+                f" {tuple(real.shape)} on {real.device}), made before the estimate began (a"
+                " global, a closure's, a module's built outside): an estimate fakes only what"
+                " it makes. Build it inside the function; the real one was left unchanged."
+            )
         gpu = True
         if meter.gpu_only:
             forced = meter.forced
@@ -431,6 +444,7 @@ def run_fake(
     compiled: list[bool] = []
     with contextlib.ExitStack() as stack:
         stack.enter_context(_compiles_seen(compiled))
+        in_process = stack.enter_context(loaders_in_process())
         if cuda:
             stack.enter_context(_cuda_autocast_on_cpu())
             stack.enter_context(_foreach_optimizers())
@@ -471,5 +485,12 @@ def run_fake(
     sites = {index: site for site, index in meter.sites.items()}
     log = Log("cpu", base, start, events, sites)
     return FakeRun(
-        log, watcher, operators.matmuls, operators.reads, operators.spread, bool(compiled), stop
+        log,
+        watcher,
+        operators.matmuls,
+        operators.reads,
+        operators.spread,
+        bool(compiled),
+        in_process.loaders,
+        stop,
     )

@@ -42,6 +42,28 @@ def any_on(keys: set[int], values: Iterable[Any]) -> bool:
     return False
 
 
+def real_tensor(func: Any, values: Iterable[Any]) -> torch.Tensor | None:
+    """The first tensor among `values` (or in a list among them), the arguments of `func`,
+    that is not fake, if any, where `func` may not take one."""
+    if func in _LIFTS:
+        return None
+    for value in values:
+        if isinstance(value, (list, tuple)):
+            found = real_tensor(func, value)
+            if found is not None:
+                return found
+        elif type(value) in _REAL:
+            return value  # type: ignore[no-any-return]
+    return None
+
+
+_REAL = (torch.Tensor, torch.nn.Parameter)
+"""The types of real tensors (a subclass's own dispatch decides what it holds)."""
+_LIFTS = (torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default)
+"""The operators that make a fake tensor of a real one just made (``torch.tensor([...])``,
+``torch.from_numpy``): the only ones a real tensor may reach."""
+
+
 GPU_AS_CPU = torch.device("cpu")
 """The device of every fake tensor on the GPU: the CPU (where it runs), but this very
 object, so that a call given it (``device=x.device``) is known to name the GPU."""

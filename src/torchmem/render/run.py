@@ -21,7 +21,7 @@ from typing import Any
 from torchmem.errors import require
 from torchmem.records.frames import Stack
 from torchmem.records.run import CATEGORIES, DeviceRun, Held, ModulePeak, RunRecord, Site
-from torchmem.render.text import table
+from torchmem.render.text import encodable, table
 from torchmem.units import readable_size
 
 TITLE = "torchmem: where the memory went"
@@ -446,7 +446,7 @@ def page(record: RunRecord, top: int = 10) -> str:
     """A complete HTML document of :func:`html`: one file that opens offline, with an
     inline style sheet and no scripts, fonts, images or links to fetch."""
     name = f"{TITLE}: {shlex.join(record.command)}" if record.command else TITLE
-    return (
+    return encodable(  # a script in a folder whose name is not UTF-8
         "<!DOCTYPE html>\n"
         '<html lang="en">\n<head>\n<meta charset="utf-8"/>\n'
         '<meta name="viewport" content="width=device-width, initial-scale=1"/>\n'

@@ -23,6 +23,7 @@ from torchmem.records.snapshot import (
     SnapshotRecord,
 )
 from torchmem.render.run import MISSING, STYLE, Section, section_html, section_text, svg
+from torchmem.render.text import encodable
 from torchmem.units import readable_size
 
 TITLE = "torchmem: memory snapshot"
@@ -163,7 +164,7 @@ def text(record: SnapshotRecord, top: int = 10) -> str:
         blocks.append(["The snapshot holds no segments and no trace."])
     for part in _blocks(record, top):
         blocks.append([part] if isinstance(part, str) else section_text(part))
-    return "\n\n".join("\n".join(block) for block in blocks)
+    return encodable("\n\n".join("\n".join(block) for block in blocks))
 
 
 def _timeline_svg(device: DeviceSnapshot) -> str:
@@ -220,7 +221,9 @@ def _block_rect(segment: Segment, block: Block, left: int, y: int, bar: int, sca
 
 def html(record: SnapshotRecord, top: int = 10) -> str:
     """The summary of :func:`text` as an HTML fragment (Jupyter's ``_repr_html_``): the
-    same tables, with per device the timeline of its trace and a :func:`segment_map`."""
+    same tables, with per device the timeline of its trace and a :func:`segment_map`.
+    A file name that is not UTF-8 comes out escaped (:func:`~torchmem.render.text.encodable`),
+    as in each report here."""
     top = max(top, 1)
     parts = [f"<h3>{markup.escape(_headline(record))}</h3>"]
     if not record.devices:
@@ -235,13 +238,13 @@ def html(record: SnapshotRecord, top: int = 10) -> str:
             charts = [_timeline_svg(d) for d in devices if d.timeline and d.timed]
             charts += [segment_map(d, top) for d in devices if d.segments]
             parts.append(f'<div class="torchmem-charts">{"".join(charts)}</div>')
-    return '<div class="torchmem-snapshot">' + "\n".join(parts) + "</div>"
+    return encodable('<div class="torchmem-snapshot">' + "\n".join(parts) + "</div>")
 
 
 def page(record: SnapshotRecord, top: int = 10) -> str:
     """A complete HTML document of :func:`html`: one file that opens offline, with an
     inline style sheet and no scripts, fonts, images or links to fetch."""
-    return (
+    return encodable(
         "<!DOCTYPE html>\n"
         '<html lang="en">\n<head>\n<meta charset="utf-8"/>\n'
         '<meta name="viewport" content="width=device-width, initial-scale=1"/>\n'
@@ -317,4 +320,4 @@ def diff_text(diff: SnapshotDiffRecord, top: int = 10) -> str:
         blocks.append(section_text(sites))
     else:
         blocks.append(["No allocation site changed."])
-    return "\n\n".join("\n".join(block) for block in blocks)
+    return encodable("\n\n".join("\n".join(block) for block in blocks))

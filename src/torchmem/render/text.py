@@ -1,8 +1,12 @@
-"""Plain-text tables for terminals: the one table helper every renderer uses."""
+"""Plain-text tables for terminals: the one table helper every renderer uses; and
+:func:`encodable`, for what a renderer writes."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Collection, Sequence
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def table(
@@ -28,3 +32,15 @@ def table(
         ).rstrip()
         for row in rows
     ]
+
+
+def encodable(text: str) -> str:
+    """`text` with each lone surrogate, which UTF-8 cannot encode, written as an escape:
+    ``\\xff`` for a byte of a file name that is not UTF-8 (:func:`os.fsdecode` makes it
+    U+DCFF, and a file name from a snapshot keeps it), ``\\ud800`` for any other."""
+    return _SURROGATE.sub(_escape, text)
+
+
+def _escape(found: re.Match[str]) -> str:
+    code = ord(found.group())
+    return f"\\x{code - 0xDC00:02x}" if 0xDC80 <= code <= 0xDCFF else f"\\u{code:04x}"

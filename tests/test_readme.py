@@ -62,3 +62,22 @@ def test_an_example_prints_what_the_readme_shows(
     )
     shown = done.stderr if output.startswith("Out of memory") else done.stdout
     assert masked(shown) == masked(output), f"README.md line {line}"
+
+
+def test_the_devices_sample_has_every_line_the_command_prints() -> None:
+    # The README showed two of its three lines.
+    sample = README.read_text().split("$ torchmem devices\n", 1)[1].split("```", 1)[0]
+    done = subprocess.run(
+        [sys.executable, "-m", "torchmem", "devices"],
+        env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+
+    def shape(text: str) -> list[str]:
+        """Each line up to what this machine decides: sizes, and the CPU meter's backend."""
+        return [MACHINE.sub("<size>", line.split(" counted by ")[0]) for line in text.splitlines()]
+
+    assert shape(sample) == shape(done.stdout)

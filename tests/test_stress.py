@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -168,10 +169,19 @@ WORKLOAD = textwrap.dedent(
             time.sleep(0.01)
 
 
+    def watchdog(worker_id):
+        # A worker that hangs shows where, before the parent's own dump ends the run.
+        faulthandler.dump_traceback_later(TIMEOUT * 0.75, exit=True)
+
+
     def workload(seed):
         """Every kind of thread at once; returns the tensors the churners kept."""
         loader = DataLoader(
-            Numbers(), batch_size=2, num_workers=2, multiprocessing_context="fork"
+            Numbers(),
+            batch_size=2,
+            num_workers=2,
+            multiprocessing_context="fork",
+            worker_init_fn=watchdog,
         )
         kept = []
         lock = threading.Lock()
@@ -274,10 +284,31 @@ def run_child(command: list[str], cwd: Path, name: str, limit: float) -> tuple[i
         except subprocess.TimeoutExpired:
             code = None
         finally:
+            left = _stacks_of_session(child.pid) if code != 0 else ""
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(child.pid, signal.SIGKILL)
             child.wait()
-    return code, log.read_text(errors="replace")
+    return code, log.read_text(errors="replace") + left
+
+
+def _stacks_of_session(session: int) -> str:
+    """The native stacks of every process left in `session` (a DataLoader worker that
+    outlived its parent's dump: where it waits), where gdb is installed; else the kernel
+    call each of their threads waits in."""
+    found = subprocess.run(["ps", "-o", "pid=", "-s", str(session)], capture_output=True, text=True)
+    said = []
+    for pid in found.stdout.split():
+        said.append(f"\n--- process {pid} left in the session ---")
+        if shutil.which("gdb"):
+            command = ["gdb", "-p", pid, "-batch", "-ex", "thread apply all bt 40"]
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+                said.append(done.stdout[-12_000:])
+            continue
+        for task in sorted(Path(f"/proc/{pid}/task").glob("*")):
+            with contextlib.suppress(OSError):
+                said.append(f"thread {task.name}: waits in {(task / 'wchan').read_text()}")
+    return "\n".join(said)
 
 
 def verdict(code: int | None, output: str) -> str:

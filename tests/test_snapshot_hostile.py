@@ -1,20 +1,31 @@
-"""Hostile memory snapshots: names that are not UTF-8 are written, escaped, where reports
-go."""
+"""Hostile memory snapshots: each is refused in one line (SnapshotError; the command prints
+one line and exits 1), in memory bounded by the file's size, and nothing from it runs;
+names that are not UTF-8 are written, escaped, where reports go."""
 
 from __future__ import annotations
 
+import copyreg
+import io
 import json
 import os
 import pickle
+import struct
 import subprocess
 import sys
+import threading
+import tracemalloc
+import types
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from torchmem.cli import main
+from torchmem.errors import SnapshotError
 from torchmem.records.run import DeviceRun, Site
-from torchmem.snapshot import Snapshot
+from torchmem.records.snapshot_file import SnapshotUnpickler
+from torchmem.snapshot import Snapshot, load_snapshot
 
 NOT_UTF8 = os.fsdecode(b"/tmp/x\xff/train.py")
 """A script's path in a folder whose name is not UTF-8, as Python names it (U+DCFF)."""
@@ -36,6 +47,216 @@ def written(tmp_path: Path, content: bytes | object, name: str = "evil.pickle") 
     path = tmp_path / name
     path.write_bytes(content if isinstance(content, bytes) else pickle.dumps(content))
     return path
+
+
+def refused_in_one_line(path: Path, message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """`load_snapshot` raises SnapshotError(`message`), and the command prints it, one line,
+    exit code 1."""
+    with pytest.raises(SnapshotError) as caught:
+        load_snapshot(path)
+    assert str(caught.value) == message
+    capsys.readouterr()
+    assert main(["snapshot", str(path)]) == 1
+    assert capsys.readouterr() == ("", f"torchmem snapshot: error: {message}\n")
+
+
+# -- memory and time bounded by the file's size ------------------------------------------
+
+MEMO = {
+    "LONG_BINPUT": b"\x80\x02Nr" + struct.pack("<I", 2**26) + b".",
+    "PUT": b"\x80\x02Np67108864\n.",
+}
+"""Pickles that store None at memo index 2**26: the unpickler would make the memo an array
+of 2**27 entries (1 GiB) before anything else."""
+
+
+@pytest.mark.parametrize("opcode", sorted(MEMO))
+def test_a_memo_index_past_what_the_file_can_make_is_refused(
+    tmp_path: Path, opcode: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = written(tmp_path, MEMO[opcode])
+    assert len(MEMO["LONG_BINPUT"]) == 9
+    message = (
+        f"{path} is not a pickle: at byte 3 it stores memo entry 67108864, more than the"
+        " objects it can have made by then"
+    )
+    refused_in_one_line(path, message, capsys)
+
+
+def test_the_9_byte_file_takes_no_memory(tmp_path: Path) -> None:
+    """Python's allocator traced while it is read: its memo took 1 GiB."""
+    path = written(tmp_path, MEMO["LONG_BINPUT"])
+    tracing = tracemalloc.is_tracing()
+    if not tracing:
+        tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        tracemalloc.reset_peak()
+        with pytest.raises(SnapshotError):
+            load_snapshot(path)
+        grown = tracemalloc.get_traced_memory()[1] - before
+    finally:
+        if not tracing:
+            tracemalloc.stop()
+    assert grown < 2**20
+
+
+@pytest.mark.parametrize(
+    ("content", "at"),
+    [
+        (b"\x80\x04\x8d" + struct.pack("<Q", 2**40) + b"abc.", 2),  # BINUNICODE8 of 1 TiB
+        (b"\x80\x04\x95" + struct.pack("<Q", 2**40) + b"N.", 2),  # a FRAME of 1 TiB
+        (b"\x80\x02X" + struct.pack("<I", 2**31) + b"N.", 2),  # BINUNICODE of 2 GiB
+    ],
+)
+def test_a_length_past_the_end_of_the_file_is_refused(
+    tmp_path: Path, content: bytes, at: int, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = written(tmp_path, content)
+    message = f"{path} is not a pickle: the opcode at byte {at} runs past its end"
+    refused_in_one_line(path, message, capsys)
+
+
+# -- files that are not a snapshot's ------------------------------------------
+
+
+def in_a_thread(path: Path) -> BaseException | None:
+    """What `load_snapshot(path)` raised, in a thread given 10 s (a FIFO blocked it)."""
+    found: list[BaseException | None] = []
+
+    def load() -> None:
+        try:
+            load_snapshot(path)
+            found.append(None)
+        except BaseException as exc:
+            found.append(exc)
+
+    thread = threading.Thread(target=load, daemon=True)
+    thread.start()
+    thread.join(10)
+    assert found, f"load_snapshot({path}) is still waiting"
+    return found[0]
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs here")
+def test_a_fifo_is_refused_before_it_is_opened(tmp_path: Path) -> None:
+    """Opened to read, a FIFO waits for a writer: forever."""
+    fifo = tmp_path / "snapshot.pickle"
+    os.mkfifo(fifo)
+    found = in_a_thread(fifo)
+    assert isinstance(found, SnapshotError)
+    assert str(found) == f"{fifo} is not a memory snapshot: it is a FIFO, not a regular file"
+    command = [sys.executable, "-m", "torchmem", "snapshot", fifo.name]
+    done = subprocess.run(command, capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert (done.returncode, done.stdout, done.stderr) == (
+        1,
+        "",
+        "torchmem snapshot: error: snapshot.pickle is not a memory snapshot: it is a FIFO, not"
+        " a regular file\n",
+    )
+
+
+def test_a_directory_and_a_device_are_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    message = f"{tmp_path} is not a memory snapshot: it is a directory, not a regular file"
+    refused_in_one_line(tmp_path, message, capsys)
+    if os.name == "posix":
+        message = "/dev/null is not a memory snapshot: it is a character device, not a regular file"
+        refused_in_one_line(Path(os.devnull), message, capsys)
+
+
+# -- nothing runs ----------------------------------------------------------------------------
+
+EXT_CODE = 0xF0
+"""An extension code of copyreg's private range (240 to 255)."""
+EXT = b"\x80\x02\x82" + bytes([EXT_CODE]) + b")R."
+"""EXT1 240, an empty tuple, REDUCE: calls what code 240 names."""
+
+
+@pytest.fixture
+def an_extension(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[tuple[Any, ...]]]:
+    """A process where copyreg maps EXT_CODE to a callable that records its calls, and
+    a plain pickle.loads has used it (so copyreg's cache holds it); undone after."""
+    calls: list[tuple[Any, ...]] = []
+    module = types.ModuleType("torchmem_test_extension")
+    module.__dict__["record"] = lambda *args: calls.append(args)
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    copyreg.add_extension(module.__name__, "record", EXT_CODE)
+    try:
+        pickle.loads(EXT)
+        assert calls == [()]
+        calls.clear()
+        yield calls
+    finally:
+        copyreg.remove_extension(module.__name__, "record", EXT_CODE)
+
+
+@pytest.mark.parametrize(
+    ("content", "code"),
+    [
+        (EXT, EXT_CODE),
+        (b"\x80\x02\x83" + struct.pack("<H", EXT_CODE) + b")R.", EXT_CODE),
+        (b"\x80\x02\x84" + struct.pack("<i", EXT_CODE) + b")R.", EXT_CODE),
+        (b"\x80\x02\x84" + struct.pack("<i", -1) + b")R.", -1),
+    ],
+)
+def test_an_extension_code_is_refused_and_nothing_runs(
+    tmp_path: Path,
+    an_extension: list[tuple[Any, ...]],
+    content: bytes,
+    code: int,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """CPython's unpickler takes a cached extension from copyreg without asking
+    find_class: an EXT opcode would run what the process registered."""
+    path = written(tmp_path, content)
+    message = (
+        f"refused to load {path}: it asks for extension code {code}, and a snapshot holds"
+        " plain data only; nothing from it was run"
+    )
+    refused_in_one_line(path, message, capsys)
+    assert an_extension == []
+
+
+def test_a_second_pickle_in_the_file_is_checked_too(an_extension: list[tuple[Any, ...]]) -> None:
+    """An unpickler loads one pickle after another from a file: each is checked first."""
+    unpickler = SnapshotUnpickler(io.BytesIO(pickle.dumps({"segments": []}) + EXT), "two")
+    assert unpickler.load() == {"segments": []}
+    with pytest.raises(SnapshotError) as caught:
+        unpickler.load()
+    assert str(caught.value) == (
+        "refused to load two: it asks for extension code 240, and a snapshot holds plain data"
+        " only; nothing from it was run"
+    )
+    assert an_extension == []
+
+
+def test_a_long_persistent_id_is_named_short(tmp_path: Path) -> None:
+    path = written(tmp_path, b"\x80\x02X" + struct.pack("<I", 10_000) + b"x" * 10_000 + b"Q.")
+    with pytest.raises(SnapshotError) as caught:
+        load_snapshot(path)
+    short = "'" + "x" * 12 + "..." + "x" * 13 + "'"
+    assert str(caught.value) == (
+        f"refused to load {path}: it asks for a persistent object {short}, and a snapshot"
+        " holds plain data only; nothing from it was run"
+    )
+
+
+@pytest.mark.parametrize("protocol", range(pickle.HIGHEST_PROTOCOL + 1))
+def test_every_protocol_of_plain_data_loads(tmp_path: Path, protocol: int) -> None:
+    """Each protocol's opcodes, with more than 256 memo entries (LONG_BINPUT, or PUT), long
+    integers, strings and floats, as the unpickler reads them."""
+    data: dict[str, Any] = {
+        "segments": [
+            {**segment(block(512, [{"filename": f"/m/{i}.py", "line": i, "name": "f"}])), "i": i}
+            for i in range(300)
+        ],
+        "device_traces": [[entry("alloc", addr=2**62, time_us=2**50, note="é" * 300)]],
+        "other": [1.5, -(2**70), None, True, (1, 2), (1, 2, 3, 4), "x" * 70_000],
+    }
+    path = written(tmp_path, pickle.dumps(data, protocol=protocol))
+    assert load_snapshot(path) == Snapshot.from_dict(data, str(path))
 
 
 # -- names that are not UTF-8 ----------------------------------------------------------------

@@ -3,9 +3,9 @@
 A snapshot (``torch.cuda.memory._dump_snapshot(path)``) is a pickle of
 ``torch.cuda.memory._snapshot()``: the caching allocator's segments and their blocks, and
 per device a trace of its recent actions. A pickle can run any code when loaded, so
-:func:`load_snapshot` reads it with an unpickler that builds plain data only (dicts, lists,
-strings, numbers, bytes, tuples, sets, booleans, None) and refuses every global and every
-persistent id: nothing from the file runs.
+:func:`load_snapshot` reads it with an unpickler that builds plain data only, in time and
+memory bounded by the file's size (:mod:`torchmem.records.snapshot_file`): nothing from
+the file runs.
 
 The trace is a ring buffer: it may start in the middle of a run. Its replay (allocations
 add the bytes of their blocks, completed frees subtract them) is therefore anchored at its
@@ -17,13 +17,10 @@ requests the trace records (:mod:`torchmem.records.caching`): ``max_memory_alloc
 
 from __future__ import annotations
 
-import contextlib
-import gc
-import pickle
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, NamedTuple, NoReturn
+from typing import Any, NamedTuple, NoReturn
 
 from torchmem.errors import SnapshotError
 from torchmem.records.caching import read_trace, replay_trace, timeline
@@ -39,6 +36,7 @@ from torchmem.records.snapshot import (
     SnapshotDiffRecord,
     SnapshotRecord,
 )
+from torchmem.records.snapshot_file import SnapshotUnpickler as _Unpickler, open_regular, without_gc
 
 ACTIVE = ("active_allocated", "active_pending_free")
 """The states of a block in use."""
@@ -52,37 +50,18 @@ BEFORE_TRACE = "<before the trace>"
 """The site of the bytes allocated before the trace's first entry."""
 
 
-class _Unpickler(pickle.Unpickler):
-    """Builds plain data only: every global and persistent id is refused."""
-
-    def __init__(self, file: IO[bytes], name: str) -> None:
-        super().__init__(file)
-        self.name = name
-
-    def _refuse(self, what: str) -> NoReturn:
-        raise SnapshotError(
-            f"refused to load {self.name}: it asks for {what}, and a snapshot holds plain"
-            " data only; nothing from it was run"
-        )
-
-    def find_class(self, module: str, name: str) -> NoReturn:
-        self._refuse(f"{module}.{name}")
-
-    def persistent_load(self, pid: Any) -> NoReturn:
-        self._refuse(f"a persistent object {pid!r}")
-
-
 def load_snapshot(path: str | Path) -> Snapshot:
     """Read the memory snapshot at `path` (``torch.cuda.memory._dump_snapshot(path)``)
     without running anything from it.
 
     Raises:
-        SnapshotError: the file is not a pickle, not a snapshot, or asks for anything but
-            plain data (a class, a function: refused before anything runs).
+        SnapshotError: the file is not a regular file (refused before it is opened), not a
+            pickle, not a snapshot, or asks for anything but plain data (a class, a
+            function, an extension code: refused before anything runs).
         OSError: the file cannot be read.
     """
     name = str(path)
-    with Path(path).open("rb") as file, _without_gc():
+    with open_regular(path) as file, without_gc():
         try:
             data = _Unpickler(file, name).load()
         except SnapshotError:
@@ -92,20 +71,6 @@ def load_snapshot(path: str | Path) -> Snapshot:
         snapshot = Snapshot.from_dict(data, name)
         del data  # freed while the collector still pauses, which would walk all of it once more
     return snapshot
-
-
-@contextlib.contextmanager
-def _without_gc() -> Iterator[None]:
-    """Python's cyclic garbage collector paused (as it was before, after): a snapshot is
-    millions of small containers without cycles, and while they are made the collector
-    would walk them all again and again, which more than doubles the time of a large one."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 @dataclass(frozen=True)
@@ -122,7 +87,7 @@ class Snapshot(SnapshotRecord):
         Raises:
             SnapshotError: `data` is not a snapshot; the message says what is wrong.
         """
-        with _without_gc():
+        with without_gc():
             return cls(_Reader(source).devices(data), source)
 
     def diff(self, later: Snapshot) -> SnapshotDiff:

@@ -1,6 +1,6 @@
 """Hostile memory snapshots: each is refused in one line (SnapshotError; the command prints
-one line and exits 1), in memory bounded by the file's size, and nothing from it runs;
-names that are not UTF-8 are written, escaped, where reports go."""
+one line and exits 1), in time and memory bounded by the file's size, and nothing from it
+runs; names that are not UTF-8 are written, escaped, where reports go."""
 
 from __future__ import annotations
 
@@ -23,9 +23,10 @@ import pytest
 
 from torchmem.cli import main
 from torchmem.errors import SnapshotError
+from torchmem.records.frames import stack_site
 from torchmem.records.run import DeviceRun, Site
 from torchmem.records.snapshot_file import SnapshotUnpickler
-from torchmem.snapshot import Snapshot, load_snapshot
+from torchmem.snapshot import MAX_STACK_FRAMES, Snapshot, load_snapshot
 
 NOT_UTF8 = os.fsdecode(b"/tmp/x\xff/train.py")
 """A script's path in a folder whose name is not UTF-8, as Python names it (U+DCFF)."""
@@ -117,7 +118,118 @@ def test_a_length_past_the_end_of_the_file_is_refused(
     refused_in_one_line(path, message, capsys)
 
 
-# -- files that are not a snapshot's ------------------------------------------
+def shared_stack(devices: int, blocks: int, frames: int) -> dict[str, Any]:
+    """`blocks` blocks on each of `devices` devices, all with one list of `frames` frames
+    (the same dict each time): the pickle holds each once and refers to it."""
+    one = {"filename": "/home/me/train.py", "line": 1, "name": "f"}
+    stack = [one] * frames
+    return {
+        "segments": [
+            {
+                "device": d,
+                "address": 0,
+                "total_size": 512 * blocks,
+                "blocks": [{**block(512, stack), "address": 512 * j} for j in range(blocks)],
+            }
+            for d in range(devices)
+        ]
+    }
+
+
+def test_a_frame_list_shared_by_a_thousand_blocks_is_read_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """219 KiB: one 100,000-frame list shared by 1,000 blocks. Its site is found once, not
+    once a block (a minute and more)."""
+    path = written(tmp_path, shared_stack(1, 1000, 100_000))
+    assert path.stat().st_size < 220 * 2**10
+    found = []
+
+    def counted(frames: Any) -> Any:
+        found.append(len(frames))
+        return stack_site(frames)
+
+    monkeypatch.setattr("torchmem.snapshot.stack_site", counted)
+    (site,) = load_snapshot(path).devices[0].sites
+    assert found == [100_000]
+    assert site == Site("/home/me/train.py", 1, "f", 512 * 1000)
+    assert site.stack == (("/home/me/train.py", 1, "f"),) * 100_000
+
+
+def test_one_long_stack_on_many_devices_is_kept_up_to_the_limit(tmp_path: Path) -> None:
+    """A site on each of 30 devices, all with one 100,000-frame stack: their reports (JSON,
+    HTML) would hold 3,000,000 frames from a 200 KiB file; MAX_STACK_FRAMES are kept, in
+    device order, and the sites past them keep none."""
+    path = written(tmp_path, shared_stack(30, 1, 100_000))
+    devices = load_snapshot(path).devices.values()
+    kept = MAX_STACK_FRAMES // 100_000
+    assert [len(s.stack) for d in devices for s in d.sites] == [100_000] * kept + [0] * (30 - kept)
+    assert [s.bytes for d in devices for s in d.sites] == [512] * 30
+
+
+def test_the_command_makes_json_only_for_json(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = written(tmp_path, shared_stack(2, 1, 10))
+
+    def unwanted(self: Snapshot) -> Any:
+        raise AssertionError("the JSON was made")
+
+    monkeypatch.setattr(Snapshot, "to_json", unwanted)
+    assert main(["snapshot", str(path)]) == 0
+    assert "Allocation sites in use at the snapshot on cuda:1:" in capsys.readouterr().out
+
+
+# -- numbers and files that are not a snapshot's ------------------------------------------
+
+HUGE = 2**2000
+
+
+@pytest.mark.parametrize(
+    ("data", "why"),
+    [
+        ({"segments": [segment(total_size=HUGE)]}, "segment 0 has a bad 'total_size'"),
+        ({"segments": [segment(address=HUGE)]}, "segment 0 has a bad 'address'"),
+        ({"segments": [segment(device=-1)]}, "segment 0 has a bad 'device'"),
+        ({"segments": [segment(stream=2**63)]}, "segment 0 has a bad 'stream'"),
+        ({"segments": [segment(block(HUGE))]}, "segment 0, block 0 has a bad 'size'"),
+        ({"segments": [segment(block(-512))]}, "segment 0, block 0 has a bad 'size'"),
+        (
+            {"segments": [segment(block(512, None, history={1: 2}))]},
+            "segment 0, block 0 has a bad 'history'",
+        ),
+        (
+            {"segments": [segment(block(512, [{"filename": "a.py", "line": HUGE, "name": ""}]))]},
+            "segment 0, block 0 has a bad 'line'",
+        ),
+        (
+            {"segments": [], "device_traces": [[entry("alloc", size=HUGE)]]},
+            "entry 0 of the trace of device 0 has a bad 'size'",
+        ),
+        (
+            {"segments": [], "device_traces": [[entry("alloc", addr=-1)]]},
+            "entry 0 of the trace of device 0 has a bad 'addr'",
+        ),
+        (
+            {
+                "segments": [],
+                "device_traces": [[entry("alloc"), entry("free_requested", time_us=HUGE)]],
+            },
+            "entry 1 of the trace of device 0 has a bad 'time_us'",
+        ),
+        (
+            {"segments": [], "device_traces": [[entry("oom", device_free=HUGE)]]},
+            "entry 0 of the trace of device 0 has a bad 'device_free'",
+        ),
+    ],
+)
+def test_a_number_pytorch_never_writes_is_refused(
+    tmp_path: Path, data: dict[str, Any], why: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Every number of a snapshot is an int64 of PyTorch's, and none is negative: 2**2000
+    would overflow a float, a negative device index would pick a device from the end."""
+    path = written(tmp_path, data)
+    refused_in_one_line(path, f"{path} is not a memory snapshot: {why}", capsys)
 
 
 def in_a_thread(path: Path) -> BaseException | None:

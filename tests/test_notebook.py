@@ -44,6 +44,11 @@ def test_the_trace(outputs):
     )
 
 
+def test_a_site_in_a_cell_is_named_after_the_cell(outputs):
+    # ipykernel's file of the cell's code, /tmp/ipykernel_<pid>/<hash>.py:2, before.
+    assert text(outputs["with torchmem.record(device) as recording:"]) == "In [2], line 2: 8.00M\n"
+
+
 def test_the_line_profile_shows_as_html_and_text(outputs):
     (result,) = outputs["%mlrun -f train_step train_step()"]
     assert result["data"]["text/html"].startswith(
@@ -74,7 +79,7 @@ def test_the_cell_log(outputs):
     log = text(outputs["kept = torch.zeros(1024, 1024, device=device)  # 4 MiB, kept"])
     lines = log.splitlines()
     assert lines[0].startswith("RAM:         Consumed Peaked  Used Total  in ")
-    assert lines[0].endswith("s (In [7])")
+    assert lines[0].endswith("s (In [8])")
     # Used: every CPU tensor of the kernel, the 17.17M the reporter listed plus these 4 MiB
     assert lines[2] == "CPU tensors:        4      0     21 MB"
     assert text(outputs["%memlog off"]) == ""

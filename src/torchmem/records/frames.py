@@ -23,8 +23,9 @@ from __future__ import annotations
 import functools
 import os
 import re
+import sys
 import sysconfig
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from types import FrameType
 from typing import TypeVar
 
@@ -181,6 +182,29 @@ class SiteKey(tuple[str, int, str]):
     stack: Stack
 
     def __new__(cls, frame: Frame, stack: Stack) -> SiteKey:
+        named = _cell_names()
+        if named is not None:  # in IPython: a cell's file is named after the cell
+            frame = (named(frame[0]), *frame[1:])
+            stack = tuple((named(f[0]), *f[1:]) for f in stack)
         key = super().__new__(cls, frame)
         key.stack = stack
         return key
+
+
+def _cell_names() -> Callable[[str], str] | None:
+    """In an IPython shell or Jupyter kernel, the function that names the file of a cell's
+    code after its cell (``In [4]``, where the file is ``<ipython-input-4-...>`` or
+    ipykernel's ``/tmp/ipykernel_<pid>/<hash>.py``) and leaves any other file as it is;
+    elsewhere None. Reads IPython's own map (``format_code_name``, as its tracebacks'
+    ``Cell In[4], line 3``); imports nothing."""
+    ipython = sys.modules.get("IPython")
+    shell = ipython.get_ipython() if ipython is not None else None
+    label = getattr(getattr(shell, "compile", None), "format_code_name", None)
+    if label is None:
+        return None
+
+    def named(file: str) -> str:
+        found = label(file)
+        return file if found is None else str(found[1]).replace("In[", "In [")  # "In[4]"
+
+    return named

@@ -170,6 +170,10 @@ def test_ctrl_c_ends_it_by_sigint_as_python_after_the_report_and_atexit(tmp_path
     assert report["devices"]["cpu"]["end_bytes"] >= 4_194_304
 
 
-def test_help_gives_the_defaults(tmp_path: Path) -> None:
-    done = torchmem("run", "--help", cwd=tmp_path)
-    assert "list N sites, tensors, modules (default: 10)" in " ".join(done.stdout.split())
+@pytest.mark.parametrize(
+    ("command", "said"),
+    [("run", "list N sites, tensors, modules"), ("snapshot", "list N sites and segments")],
+)
+def test_help_gives_the_defaults(tmp_path: Path, command: str, said: str) -> None:
+    done = torchmem(command, "--help", cwd=tmp_path)
+    assert f"{said} (default: 10)" in " ".join(done.stdout.split())

@@ -34,7 +34,11 @@ class SnapshotCommand(Command):
         parser.add_argument("--json", metavar="OUT", help="write the report as JSON to OUT")
         parser.add_argument("--html", metavar="OUT", help="write a self-contained HTML page to OUT")
         parser.add_argument(
-            "--top", type=int, default=10, metavar="N", help="list N sites and segments"
+            "--top",
+            type=int,
+            default=10,
+            metavar="N",
+            help="list N sites and segments (default: %(default)s)",
         )
         parser.add_argument("paths", nargs="*", metavar="PATH", help="a snapshot (a pickle)")
 

@@ -291,6 +291,32 @@ def test_a_thread_started_while_profiling_gets_its_tracer_back_once_it_stops(bac
     assert [e[1] for e in previous.events] == ["call", "line", "line", "line", "line", "return"]
 
 
+def test_a_profiler_dropped_while_enabled_takes_its_hook_away(backend):
+    previous = TracerStandIn(tick)
+    with tracing(previous):
+        kept = LineProfiler(tick, device="meta")
+        kept.enable()
+        dropped = LineProfiler(tick, device="meta")
+        dropped.enable()
+        tick()
+        gone = weakref.ref(dropped)
+        del dropped
+        assert gone() is None  # at once: nothing holds it, no gc.collect() needed
+        tick()
+        kept.disable()
+        after = sys.gettrace(), threading.gettrace()
+        tick()
+        solo = LineProfiler(tick, device="meta")
+        solo.enable()
+        del solo
+        alone = sys.gettrace(), threading.gettrace()
+    assert after == alone == (previous, previous)
+    assert kept.records(tick)[0].lines[1].hits == 2
+    if backend == "monitoring":
+        assert "torchmem" not in {sys.monitoring.get_tool(t) for t in (3, 4)}
+    assert len(previous.events) == 3 * 3  # call, line, return: the tracer saw every call
+
+
 def test_an_enabled_profiler_sees_threads_started_by_another_one(backend):
     base = alive()
     outer, inner = LineProfiler(allocate, device="cpu"), LineProfiler(allocate, device="cpu")

@@ -14,6 +14,7 @@ import inspect
 import sys
 import threading
 import types
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TextIO, TypeVar, cast
 
@@ -21,7 +22,7 @@ import torch
 
 from torchmem.lines.columns import check_columns
 from torchmem.lines.monitoring import Monitoring
-from torchmem.lines.recording import Backend, Recording, WatchedFunction
+from torchmem.lines.recording import Recording, WatchedFunction
 from torchmem.lines.settrace import Settrace
 from torchmem.lines.wrapping import wrap_calls
 from torchmem.meters import Meter, meter
@@ -87,44 +88,48 @@ class LineProfiler:
         target_gpu: int | torch.device = 0,
         device: DeviceLike | None = None,
     ) -> None:
-        self._recording = Recording(lambda: self.meter)
-        self._backend: Backend | None = None
-        self.device = device
-        self.target_gpu = _gpu_index(target_gpu)
         if device is not None:
             meter(device)  # a bad device fails here, naming itself
+        self._settings = _Settings(device, _gpu_index(target_gpu))
+        self._recording = Recording(self._settings.meter)
+        # The tracer holds the recording while profiling is on, never the profiler: one
+        # dropped while enabled is switched off, and the tracers before it are back.
+        weakref.finalize(self, _switch_off, self._recording)
         for function in functions:
             self.add_function(function)
 
     # Set-up -----------------------------------------------------------------------
 
     @property
+    def device(self) -> DeviceLike | None:
+        """What to measure (see the class); None: `target_gpu`'s allocator where CUDA is
+        available, else CPU tensors."""
+        return self._settings.device
+
+    @device.setter
+    def device(self, device: DeviceLike | None) -> None:
+        self._settings.device = device
+
+    @property
     def target_gpu(self) -> int:
         """The CUDA device index measured when no `device` was given."""
-        return self._target_gpu
+        return self._settings.target_gpu
 
     @target_gpu.setter
     def target_gpu(self, gpu_id: int | torch.device) -> None:
-        self._target_gpu = _gpu_index(gpu_id)
+        self._settings.target_gpu = _gpu_index(gpu_id)
 
     @property
     def meter(self) -> Meter:
         """The meter lines are measured with (see `device` and `target_gpu`)."""
-        return meter(self._measured())
+        return self._settings.meter()
 
     @property
     def default_columns(self) -> tuple[str, ...]:
         """The columns :meth:`display` shows unless told otherwise: :data:`DEFAULT_COLUMNS`
         on a GPU, ``active_bytes.all.peak`` and ``active_bytes.all.delta`` on tensors,
         ``rss.peak`` and ``rss.delta`` for ``"ram"``."""
-        return check_columns(None, self._measured())
-
-    def _measured(self) -> DeviceLike:
-        """The device measured: `device`, else `target_gpu` where CUDA is available."""
-        if self.device is not None:
-            return self.device
-        default = default_device()
-        return torch.device("cuda", self._target_gpu) if default.type == "cuda" else default
+        return check_columns(None, self._settings.measured())
 
     @property
     def enabled(self) -> bool:
@@ -142,8 +147,8 @@ class LineProfiler:
         if id(code) not in functions:
             qualname = getattr(inspect.unwrap(func), "__qualname__", code.co_name)
             functions[id(code)] = WatchedFunction(code, qualname)
-            if self._backend is not None:
-                self._backend.update()
+            if self._recording.backend is not None:
+                self._recording.backend.update()
 
     def clear(self) -> None:
         """Forget the watched functions and everything recorded."""
@@ -165,9 +170,9 @@ class LineProfiler:
             first = not depths
             depths[thread] = depth + 1
             if first:
-                self._backend = Monitoring.join(recording) or Settrace.join(recording)
-            if depth == 0 and self._backend is not None:
-                self._backend.enter_thread()
+                recording.backend = Monitoring.join(recording) or Settrace.join(recording)
+            if depth == 0 and recording.backend is not None:
+                recording.backend.enter_thread()
 
     def disable(self) -> None:
         """Stop profiling in this thread; the previous tracer, if any, is back in place.
@@ -188,12 +193,12 @@ class LineProfiler:
                 return
             del depths[thread]
             last = not depths
-            backend = self._backend
+            backend = recording.backend
             if backend is not None:
                 backend.leave_thread()
                 if last:
                     backend.stop()
-                    self._backend = None
+                    recording.backend = None
             # Calls still running here (disable() called inside a watched function, or a
             # debugger took over their frames), and after the last disable() calls running
             # in other threads, whose events may never come again.
@@ -228,7 +233,7 @@ class LineProfiler:
         Raises:
             ValueError: naming an unknown column, and listing the valid ones.
         """
-        return LineReport(self.records(func), check_columns(columns, self._measured()))
+        return LineReport(self.records(func), check_columns(columns, self._settings.measured()))
 
     def print_stats(
         self,
@@ -254,6 +259,43 @@ class LineProfiler:
         the whole await of a coroutine; a ``staticmethod`` or ``classmethod`` gives the same
         kind of method back. Add it with :meth:`add_function` to record its lines."""
         return wrap_calls(func, each_step=lambda: self)
+
+
+class _Settings:
+    """What a profiler measures, kept apart from it: its recording asks for the meter at
+    each call, and what the tracer holds must not hold the profiler."""
+
+    def __init__(self, device: DeviceLike | None, target_gpu: int) -> None:
+        self.device = device
+        self.target_gpu = target_gpu
+
+    def measured(self) -> DeviceLike:
+        """The device measured: `device`, else `target_gpu` where CUDA is available."""
+        if self.device is not None:
+            return self.device
+        default = default_device()
+        return torch.device("cuda", self.target_gpu) if default.type == "cuda" else default
+
+    def meter(self) -> Meter:
+        return meter(self.measured())
+
+
+def _switch_off(recording: Recording) -> None:
+    """Switch off a dropped profiler's `recording`, if it is on, in every thread: its hook
+    leaves this thread now, the other threads it was on in at their next call once no
+    profiler is on (only a thread can change its own tracer); the calls it was measuring
+    stop being measured."""
+    with recording.lock:
+        backend, recording.backend = recording.backend, None
+        if backend is None:
+            return
+        if threading.get_ident() in recording.depth:
+            backend.leave_thread()
+        recording.depth.clear()
+        backend.stop()
+        calls = list(recording.running.values())
+    for call in calls:
+        call.end()
 
 
 _Selected = Callable[..., Any] | str

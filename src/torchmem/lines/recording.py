@@ -41,6 +41,8 @@ class Recording:
         """Thread -> how many times profiling is enabled in it; empty while disabled."""
         self.lock = threading.RLock()
         """Guards :attr:`depth` and what the lines record."""
+        self.backend: Backend | None = None
+        """Where the events come from while profiling is on (made by the first enable)."""
 
 
 class Backend(Protocol):

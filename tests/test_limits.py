@@ -3,12 +3,16 @@ and their text, in exact bytes and exact lines."""
 
 from __future__ import annotations
 
+import inspect
+import threading
+
 import pytest
 import torch
 
 from torchmem.limits import Span, limit_leaks, limit_memory
 from torchmem.meters import meter
-from torchmem.records.limits import Limit, Usage, Verdict
+from torchmem.records.limits import Elsewhere, Limit, Origin, Usage, Verdict
+from torchmem.records.tensors import TensorRecord
 from torchmem.render.limits import explanation, failure, summary
 
 MiB = 2**20
@@ -21,6 +25,22 @@ def test_a_limit_reads_sizes_as_powers_of_1024_and_defaults_to_cpu_without_a_gpu
     assert limit_memory("24 MB") == Limit("limit_memory", 24 * MiB, "cpu")
     assert limit_memory("1.5 GiB", device="ram") == Limit("limit_memory", 1536 * MiB, "ram")
     assert limit_leaks(4096, device="cpu:0", setup=True) == Limit("limit_leaks", 4096, "cpu", True)
+    assert limit_memory(0, current_thread_only=True) == Limit("limit_memory", 0, "cpu", False, True)
+
+
+@pytest.mark.parametrize(
+    ("keywords", "error"),
+    [
+        ({"current_thread_only": 1}, "invalid current_thread_only 1: expected True or False"),
+        (
+            {"current_thread_only": True, "device": "ram"},
+            "current_thread_only=True cannot measure device 'ram'",
+        ),
+    ],
+)
+def test_current_thread_only_is_a_flag_and_not_for_ram(keywords: dict, error: str) -> None:
+    with pytest.raises(ValueError, match=error):
+        limit_memory("1 MB", **keywords)
 
 
 def test_a_span_measures_exact_bytes_and_judges_at_the_limit() -> None:
@@ -141,3 +161,103 @@ def test_the_summary_lists_the_highest_rises_per_device_gpus_first() -> None:
 def test_bad_limits_are_named(bad: object) -> None:
     with pytest.raises(ValueError, match=f"invalid size {bad!r}"):
         limit_memory(bad)  # type: ignore[arg-type]
+
+
+def _held_elsewhere(span: Span, limits: list[Limit]) -> list[Verdict]:
+    """Stop `span` while a thread named "holder" holds 16 MiB it allocated in it, after
+    this thread allocated 4 KiB."""
+    held, done = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        x = torch.zeros(4 * MiB)
+        held.set()
+        done.wait()
+        del x
+
+    mine = torch.zeros(1024)
+    thread = threading.Thread(target=hold, name="holder")
+    thread.start()
+    held.wait()
+    try:
+        span.freeze()
+        return span.stop(limits)
+    finally:
+        done.set()
+        thread.join()
+        del mine
+
+
+def test_every_thread_counts_and_the_others_are_named() -> None:
+    limit = Limit("limit_memory", 0, "cpu")
+    span = Span.of(limit)
+    span.start()
+    [verdict] = _held_elsewhere(span, [limit])
+    assert verdict.measured_bytes == 16 * MiB + 4096
+    assert verdict.elsewhere == (Elsewhere(("holder",), 16 * MiB),)
+
+
+def test_current_thread_only_counts_the_test_thread_alone() -> None:
+    limit = Limit("limit_memory", 0, "cpu", current_thread_only=True)
+    span = Span.of(limit)
+    span.start()
+    [verdict] = _held_elsewhere(span, [limit])
+    assert verdict.measured_bytes == 4096
+    assert verdict.elsewhere == ()
+
+
+def test_a_tensor_that_stayed_is_named_after_the_line_that_made_it() -> None:
+    limit = Limit("limit_leaks", 0, "cpu")
+    span = Span.of(limit)
+    span.start(collect=True)
+    line = inspect.currentframe().f_lineno + 1  # type: ignore[union-attr]
+    KEPT.append(torch.zeros(512, 1024))
+    [verdict] = span.stop([limit], collect=True)
+    KEPT.clear()
+    [stayed] = verdict.stayed
+    assert (stayed.name, stayed.nbytes) == (f"Tensor@test_limits.py:{line}", 2 * MiB)
+    assert verdict.origins == (
+        Origin(
+            __file__,
+            line,
+            "test_a_tensor_that_stayed_is_named_after_the_line_that_made_it",
+            "KEPT.append(torch.zeros(512, 1024))",
+            2 * MiB,
+        ),
+    )
+
+
+def test_what_other_threads_held_and_where_what_stayed_was_made_read_as_text() -> None:
+    limit = Limit("limit_memory", MiB, "cpu")
+    peak = Verdict(
+        limit,
+        usage("cpu", 0, 18 * MiB, 0),
+        elsewhere=(Elsewhere(("worker",), 16 * MiB), Elsewhere(("a", "b"), MiB)),
+    )
+    assert failure(peak) == (
+        "Test was limited to 1.00M but peaked at 18.00M on cpu (18,874,368 bytes above the"
+        " 0.00B in use when it started), of which 16.00M from thread 'worker' and 1.00M from"
+        " threads 'a', 'b' (not the test's)\n"
+        "Every thread's allocations count: current_thread_only=True counts the test's thread"
+        " alone."
+    )
+    ended = Verdict(limit, usage("cpu", 0, 2 * MiB, 0), elsewhere=(Elsewhere((), MiB),))
+    assert (
+        failure(ended)
+        .splitlines()[0]
+        .endswith("of which 1.00M from a thread that has ended (not the test's)")
+    )
+    record = TensorRecord(
+        "Tensor@t.py:3", "cpu", (1024,), "torch.float32", "torch.strided", "Tensor", 1024, 4096
+    )
+    leak = Verdict(
+        Limit("limit_leaks", 0, "cpu"),
+        usage("cpu", 0, 4096, 4096),
+        stayed=(record,),
+        origins=(Origin("/p/t.py", 3, "test_keeps", "KEPT.append(x)", 4096),),
+    )
+    title, text = explanation(leak)  # type: ignore[misc]
+    assert title == "torchmem: tensors that stayed on cpu"
+    assert text.splitlines()[-2:] == [
+        "Allocated at:",
+        "  4.00K  /p/t.py:3  test_keeps  KEPT.append(x)",
+    ]

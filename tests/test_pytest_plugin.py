@@ -380,6 +380,7 @@ def test_the_json_file_has_every_test_in_bytes(
             "limit_bytes": MiB,
             "measured_bytes": 4 * MiB,
             "setup": False,
+            "current_thread_only": False,
             "passed": False,
         }
     ]

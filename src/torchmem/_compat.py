@@ -464,6 +464,8 @@ def _walk_frames(depth: int = 0) -> types.FrameType:
 
 getframe: Callable[[int], types.FrameType] = lookup("sys._getframe") or _walk_frames
 """The frame `depth` calls above the caller (``sys._getframe``, a CPython detail)."""
+thread_frames: Callable[[], dict[int, types.FrameType]] = lookup("sys._current_frames") or dict
+"""Each thread's innermost frame by ident (``sys._current_frames``); none without it."""
 
 # Reading tensors as they are ----------------------------------------------------------
 

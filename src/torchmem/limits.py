@@ -8,12 +8,20 @@ span for a :class:`~torchmem.records.limits.Verdict`; nothing here knows pytest.
 from __future__ import annotations
 
 import gc
-from collections.abc import Iterable, Mapping
+import linecache
+import os
+import re
+import threading
+import types
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 
-from torchmem.meters import Meter, Window
+from torchmem._compat import getframe, thread_frames
+from torchmem.meters import Meter, TensorMeter, Window, meter
 from torchmem.recorder import Recording
-from torchmem.records.limits import Limit, Usage, Verdict
+from torchmem.records.frames import SiteKey
+from torchmem.records.limits import Elsewhere, Limit, Origin, Usage, Verdict
+from torchmem.records.run import Site
 from torchmem.records.tensors import TensorRecord
 from torchmem.resolve import DeviceLike, resolve_device
 from torchmem.tensors import MemReporter, diff
@@ -34,7 +42,11 @@ def device_name(device: DeviceLike | None) -> str:
 
 
 def limit_memory(
-    limit: int | str, *, device: DeviceLike | None = None, setup: bool = False
+    limit: int | str,
+    *,
+    device: DeviceLike | None = None,
+    setup: bool = False,
+    current_thread_only: bool = False,
 ) -> Limit:
     """The limit ``@pytest.mark.limit_memory(...)`` stands for: the test fails if its peak
     on `device` rises more than `limit` above what was in use when it started.
@@ -45,27 +57,43 @@ def limit_memory(
         device: ``None`` (the current GPU, else CPU tensors), ``"cpu"``, ``"cuda:1"``,
             ``"ram"`` (the process's resident memory), ...
         setup: also charge the test's fixtures: measure from before their setup.
+        current_thread_only: count only the tensor storages that the test's thread (and
+            the autograd threads it starts) makes, as pytest-memray's keyword of that
+            name, instead of every thread's; not for ``"ram"``.
 
     Raises:
-        ValueError: naming the bad limit or device.
+        ValueError: naming the bad limit, device or flag.
     """
-    return _limit("limit_memory", limit, device, setup)
+    return _limit("limit_memory", limit, device, setup, current_thread_only)
 
 
 def limit_leaks(
-    limit: int | str, *, device: DeviceLike | None = None, setup: bool = False
+    limit: int | str,
+    *,
+    device: DeviceLike | None = None,
+    setup: bool = False,
+    current_thread_only: bool = False,
 ) -> Limit:
     """The limit ``@pytest.mark.limit_leaks(...)`` stands for: the test fails if, after it
     returns and after ``gc.collect()``, more than `limit` bytes more are in use on
     `device` than when it started. Arguments as :func:`limit_memory`'s; with `setup`, from
     before the fixtures' setup until after their teardown."""
-    return _limit("limit_leaks", limit, device, setup)
+    return _limit("limit_leaks", limit, device, setup, current_thread_only)
 
 
-def _limit(kind: str, limit: int | str, device: DeviceLike | None, setup: object) -> Limit:
-    if not isinstance(setup, bool):
-        raise ValueError(f"invalid setup {setup!r}: expected True or False")
-    return Limit(kind, parse_size(limit), device_name(device), setup)
+def _limit(
+    kind: str, limit: int | str, device: DeviceLike | None, setup: bool, thread: bool
+) -> Limit:
+    for name, value in (("setup", setup), ("current_thread_only", thread)):
+        if not isinstance(value, bool):  # a marker's arguments are not type-checked
+            raise ValueError(f"invalid {name} {value!r}: expected True or False")
+    measured = device_name(device)
+    if thread and measured == "ram":
+        raise ValueError(
+            "current_thread_only=True cannot measure device 'ram': the process's resident"
+            " memory is not counted per thread"
+        )
+    return Limit(kind, parse_size(limit), measured, setup, thread)
 
 
 class Span:
@@ -83,6 +111,17 @@ class Span:
     end together, :meth:`freeze` them all first: stopping a recording makes its log, a
     tensor, which no other span's peak should see.
     """
+
+    @classmethod
+    def of(cls, limit: Limit) -> Span:
+        """The span that measures `limit`: its device's meter (a tensor meter of the
+        test's thread for ``current_thread_only``), and a recording of the device, which
+        explains a peak or says where what stayed was allocated; for a leak, the live
+        tensors listed too."""
+        device = limit.device
+        found = TensorMeter(device) if limit.current_thread_only else meter(device)
+        leak = limit.kind == "limit_leaks"
+        return cls([found], record=device, tensors=device if leak else None)
 
     def __init__(
         self, meters: Iterable[Meter], *, record: str | None = None, tensors: str | None = None
@@ -172,8 +211,96 @@ class Span:
             # The recording ends after the test, holding the models it saw: its end is not
             # the test's, and the peak is what the verdict is about.
             run = replace(run, categories_at_end=None)
-            return Verdict(limit, found.usage, run, report.modules)
+            elsewhere = () if limit.current_thread_only else other_threads(run.sites_at_peak)
+            return replace(found, peak=run, modules=report.modules, elsewhere=elsewhere)
         if limit.kind == "limit_leaks" and self._tensors is not None:
-            after = MemReporter().snapshot(self._tensors)
-            return Verdict(limit, found.usage, stayed=diff(self._before, after).appeared)
+            stayed = diff(self._before, MemReporter().snapshot(self._tensors)).appeared
+            sites = {} if self._recording is None else self._recording.sites_alive(limit.device)
+            named, origins = _origins(stayed, sites)
+            return replace(found, stayed=named, origins=origins)
         return found
+
+
+_NUMBERED = re.compile(r"(Tensor|Parameter)\d+")
+"""The names :class:`~torchmem.MemReporter` numbers tensors it knows no name for by."""
+
+
+def _origins(
+    stayed: Sequence[TensorRecord], sites: Mapping[int, SiteKey]
+) -> tuple[tuple[TensorRecord, ...], tuple[Origin, ...]]:
+    """The tensors that `stayed`, those numbered renamed after the line that allocated
+    them (``Tensor@test_model.py:21``), and those lines, largest first; `sites` are the
+    recording's, by data pointer."""
+    named = []
+    totals: dict[tuple[str, int, str], int] = {}
+    for record in stayed:
+        address = _address(record)
+        site = None if address is None else sites.get(address)
+        if site is None or not site[1]:  # a pseudo site (autograd's engine): no line
+            named.append(record)
+            continue
+        file, line, function = site
+        numbered = _NUMBERED.fullmatch(record.name)
+        if numbered is not None:
+            record = replace(record, name=f"{numbered[1]}@{os.path.basename(file)}:{line}")
+        named.append(record)
+        totals[file, line, function] = totals.get((file, line, function), 0) + record.nbytes
+    origins = [
+        Origin(file, line, function, linecache.getline(file, line).strip(), size)
+        for (file, line, function), size in totals.items()
+    ]
+    origins.sort(key=lambda origin: origin.bytes, reverse=True)
+    return tuple(named), tuple(origins)
+
+
+def _address(record: TensorRecord) -> int | None:
+    """The data pointer of the storage of `record`'s tensor, if it is alive and has one."""
+    tensor = record.tensor() if record.tensor is not None else None
+    if tensor is None:
+        return None
+    try:
+        return int(tensor.untyped_storage().data_ptr())
+    except (NotImplementedError, RuntimeError):  # no storage (sparse, nested, subclasses)
+        return None
+
+
+def other_threads(sites: Iterable[Site]) -> tuple[Elsewhere, ...]:
+    """What threads other than the calling one allocated among `sites` (alive at a peak),
+    largest first. A site's thread is told by the function its stack entered first
+    outside ``threading`` (each site keeps the stack of its first allocation), and named
+    after the live threads whose stacks entered that function too."""
+    here = threading.get_ident()
+    mine = _entry(_outward(getframe(0)))
+    names: dict[tuple[str, str] | None, list[str]] = {}
+    frames = thread_frames()
+    for thread in threading.enumerate():
+        frame = frames.get(thread.ident or 0)
+        if thread.ident != here and frame is not None:
+            names.setdefault(_entry(_outward(frame)), []).append(thread.name)
+    totals: dict[tuple[str, str], int] = {}
+    for site in sites:
+        entry = _entry([(file, function) for file, _, function in reversed(site.stack)])
+        if entry is not None and entry != mine:
+            totals[entry] = totals.get(entry, 0) + site.bytes
+    found = [Elsewhere(tuple(names.get(entry, ())), size) for entry, size in totals.items()]
+    return tuple(sorted(found, key=lambda other: other.bytes, reverse=True))
+
+
+_THREADING = threading.Thread.run.__code__.co_filename
+
+
+def _outward(frame: types.FrameType | None) -> list[tuple[str, str]]:
+    """The stack from `frame` out, outermost first, as a site's stack names its frames:
+    ``(file, function)``, the function's qualified name where Python has one."""
+    stack = []
+    while frame is not None:
+        code = frame.f_code
+        stack.append((code.co_filename, getattr(code, "co_qualname", code.co_name)))
+        frame = frame.f_back
+    return stack[::-1]
+
+
+def _entry(stack: Iterable[tuple[str, str]]) -> tuple[str, str] | None:
+    """The first frame of an outermost-first `stack` outside ``threading`` (a thread's
+    target, or the main thread's script); None for none."""
+    return next((frame for frame in stack if frame[0] != _THREADING), None)

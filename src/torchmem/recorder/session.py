@@ -22,6 +22,7 @@ from torchmem.recorder.analysis import Names, device_run, laps_run, module_peaks
 from torchmem.recorder.hooks import Watcher
 from torchmem.recorder.notes import Notes
 from torchmem.recorder.sources import CpuLog, CudaLog, Laps, Tallied
+from torchmem.records.frames import SiteKey
 from torchmem.records.run import DeviceRun, ModulePeak, RunRecord
 from torchmem.resolve import DeviceLike, resolve_device
 
@@ -197,6 +198,26 @@ class Recording:
             )
         with open(path, "wb") as file:
             pickle.dump(snapshot(cpu, cuda), file)
+
+    def sites_alive(self, device: str) -> dict[int, SiteKey]:
+        """Where the allocations on `device` still alive when the recording stopped were
+        made: data pointer -> site, ``(file, line, function)`` with its ``stack``, for
+        those made while it recorded, where it recorded sites (none for a device without
+        an event log).
+
+        Raises:
+            RuntimeError: the recording has not stopped.
+        """
+        if not self._stopped:
+            raise RuntimeError("stop the recording (leave its with-block) before reading it")
+        found: dict[int, SiteKey] = {}
+        for log in self._logs:
+            if log.device == device:
+                live = log.tally.live
+                for ptr, site in zip(live.ptr.tolist(), live.site.tolist(), strict=True):
+                    if site in log.sites:
+                        found[ptr] = log.sites[site]
+        return found
 
     def report(self, top: int = TOP) -> RunReport:
         """Where the memory went: per device the peak, when, the end, the categories at

@@ -13,6 +13,9 @@ from torchmem.records.tensors import TensorRecord
 
 MARKERS = ("limit_memory", "limit_leaks")
 """The plugin's markers, which are also the kinds of :class:`Limit`."""
+PREFIX = "torchmem_"
+"""Before a marker's name, the name that is torchmem's wherever pytest-memray is loaded
+too (``torchmem_limit_memory``)."""
 
 
 @dataclass(frozen=True)
@@ -30,6 +33,10 @@ class Limit:
     setup: bool = False
     """Whether the test's fixtures are charged too: measured from before their setup (and,
     for ``limit_leaks``, until after their teardown) instead of around the test body."""
+    current_thread_only: bool = False
+    """Whether only the test's own thread is counted (the storages it, and the autograd
+    threads it starts, made), as pytest-memray's keyword of that name; else every thread
+    of the process."""
 
 
 @dataclass(frozen=True)
@@ -67,6 +74,31 @@ class Usage:
 
 
 @dataclass(frozen=True)
+class Elsewhere:
+    """Bytes alive at a test's peak that another thread than the test's allocated."""
+
+    threads: tuple[str, ...]
+    """The names of the live threads that run the code that allocated them (several where
+    threads run the same function); empty where none does any longer."""
+    bytes: int
+    """The bytes, in bytes."""
+
+
+@dataclass(frozen=True)
+class Origin:
+    """A source line that allocated tensors that stayed after a test."""
+
+    file: str
+    line: int
+    function: str
+    """The function's qualified name, ``<module>`` for a module's top level."""
+    code: str
+    """The line's source text, stripped (empty where the source cannot be read)."""
+    bytes: int
+    """Bytes of the tensors allocated there that stayed."""
+
+
+@dataclass(frozen=True)
 class Verdict:
     """A limit held against what a test did."""
 
@@ -78,9 +110,16 @@ class Verdict:
     largest allocations and categories at the peak); None where nothing was recorded."""
     modules: tuple[ModulePeak, ...] = ()
     """The modules that ran, with their peaks, from the same recording."""
+    elsewhere: tuple[Elsewhere, ...] = ()
+    """For a ``limit_memory`` test over its limit that counts every thread: what other
+    threads allocated and held at the peak, by the code they run, largest first."""
     stayed: tuple[TensorRecord, ...] = ()
     """For a ``limit_leaks`` test over its limit: the tensors on the device alive after the
-    test that were not alive before it."""
+    test that were not alive before it; one the recording saw allocated is named after
+    its line (``Tensor@test_model.py:21``)."""
+    origins: tuple[Origin, ...] = ()
+    """The lines that allocated :attr:`stayed`, largest first, where the recording knows
+    them."""
 
     @property
     def measured_bytes(self) -> int:
@@ -99,5 +138,6 @@ class Verdict:
             "limit_bytes": self.limit.limit_bytes,
             "measured_bytes": self.measured_bytes,
             "setup": self.limit.setup,
+            "current_thread_only": self.limit.current_thread_only,
             "passed": self.passed,
         }

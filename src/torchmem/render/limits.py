@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from torchmem.records.limits import Usage, Verdict
+from torchmem.records.limits import Elsewhere, Origin, Usage, Verdict
 from torchmem.render.run import SAMPLED, details_text
 from torchmem.render.tensors import diff_text
 from torchmem.render.text import table
@@ -21,14 +21,25 @@ def failure(verdict: Verdict) -> str:
 
     Test was limited to 1.00M but peaked at 4.00M on cpu (4,194,304 bytes above the
     0.00B in use when it started)
+
+    and where other threads held some of the peak, what they held, and a second line on
+    ``current_thread_only``.
     """
     limit, usage = verdict.limit, verdict.usage
     began = "its setup started" if limit.setup else "it started"
     if limit.kind == "limit_memory":
-        return (
+        line = (
             f"Test was limited to {readable_size(limit.limit_bytes)} but peaked at"
             f" {_size(usage.rise, usage.exact)} on {limit.device} ({usage.rise:,} bytes above"
             f" the {readable_size(usage.start_bytes)} in use when {began})"
+        )
+        if not verdict.elsewhere:
+            return line
+        held = " and ".join(_elsewhere(other) for other in verdict.elsewhere)
+        return (
+            f"{line}, of which {held} (not the test's)\n"
+            "Every thread's allocations count: current_thread_only=True counts the test's"
+            " thread alone."
         )
     ended = "its teardown" if limit.setup else "it returned"
     return (
@@ -50,13 +61,37 @@ def explanation(verdict: Verdict) -> tuple[str, str] | None:
         return f"torchmem: what held memory at the peak on {device}", "\n\n".join(blocks) + "\n"
     if verdict.limit.kind == "limit_leaks" and device != "ram":
         if verdict.stayed:
-            return f"torchmem: tensors that stayed on {device}", diff_text(verdict.stayed, ())
+            stayed = diff_text(verdict.stayed, ())
+            if verdict.origins:
+                stayed += _origins(verdict.origins)
+            return f"torchmem: tensors that stayed on {device}", stayed
         return (
             f"torchmem: tensors that stayed on {device}",
             "No tensor Python can reach stayed: the memory is held where gc cannot see it"
             " (a C++ cache, a graph autograd keeps for a backward pass that never ran).\n",
         )
     return None
+
+
+def _elsewhere(other: Elsewhere) -> str:
+    """``16.00M from thread 'worker'``."""
+    names = ", ".join(repr(name) for name in other.threads)
+    if not other.threads:
+        whose = "a thread that has ended"
+    else:
+        whose = f"thread{'s' if len(other.threads) > 1 else ''} {names}"
+    return f"{readable_size(other.bytes)} from {whose}"
+
+
+def _origins(origins: Sequence[Origin]) -> str:
+    """The lines that allocated the tensors that stayed, a row each::
+
+    Allocated at:
+      4.00M  /home/me/project/test_model.py:21  test_no_leak  CACHE.append(...)
+    """
+    rows = [(readable_size(o.bytes), f"{o.file}:{o.line}", o.function, o.code) for o in origins]
+    lines = ["  " + line for line in table(rows, left=(1, 2, 3))]
+    return "\n".join(["Allocated at:", *lines]) + "\n"
 
 
 def summary(tests: Sequence[tuple[str, Mapping[str, Usage]]], top: int) -> str:

@@ -19,7 +19,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from standins import CudaStandIn, GiB, StandInGpu, environ_without_gpu, gpu_uuid
+from standins import (
+    CudaStandIn,
+    GiB,
+    HistoryStandIn,
+    StandInGpu,
+    environ_without_gpu,
+    gpu_uuid,
+)
 
 MiB = 2**20
 
@@ -205,7 +212,7 @@ def test_a_failure_says_what_held_memory_at_the_peak(
     )
 
 
-def test_a_leak_lists_the_tensors_that_stayed(
+def test_a_leak_lists_the_tensors_that_stayed_named_after_the_line_that_made_them(
     pytester: pytest.Pytester, no_gpu_anywhere: None
 ) -> None:
     pytester.makepyfile(
@@ -228,8 +235,11 @@ def test_a_leak_lists_the_tensors_that_stayed(
             "Test was limited to leaking 0.00B but kept 1.00M on cpu (1,048,576 bytes more *",
             "*- torchmem: tensors that stayed on cpu -*",
             "Element type*Size*Used MEM",
-            "+ Tensor* ?cpu?*(256, 1024)*1.00M",
+            "+ Tensor@test_leak.py:8 ?cpu?*(256, 1024)*1.00M",
             "Appeared: 1 (1.00M) *",
+            "*",
+            "Allocated at:",
+            '  1.00M  */test_leak.py:8  test_caches  CACHE?"weights"? = torch.zeros(256, 1024)',
         ]
     )
 
@@ -499,6 +509,7 @@ def test_the_default_device_is_the_current_gpu(
     stand-in's memory has none)."""
     gpus = [StandInGpu(gpu_uuid(0), total=16 * GiB)]
     cuda = CudaStandIn(gpus).install(monkeypatch, environ=False)
+    HistoryStandIn().install(monkeypatch)  # the leak's recording: no allocation site
     monkeypatch.setitem(sys.modules, "the_gpu", types.SimpleNamespace(cuda=cuda))
     pytester.makepyfile(test_gpu=GPU_TESTS)
     result = run_here(pytester, "--torchmem")
@@ -608,7 +619,9 @@ def test_the_readme_failure_is_what_pytest_prints(
     section = readme[readme.index("## In tests") :]
     code, shown = re.findall(r"```(?:python|text)\n(.*?)```", section, re.S)[:2]
     pytester.makepyfile(test_model=code)
-    result = run(pytester)
+    # pytest-memray loaded too where it is installed: the example is torchmem's all the same.
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    result.stdout.no_fnmatch_line("*PytestWarning*")
     printed = "\n".join(result.outlines).replace(str(pytester.path), "/home/me/project")
     start = printed.index("=" * 35 + " FAILURES")
     failures = printed[start : printed.index("\n" + "=" * 27 + " short", start)]
@@ -616,16 +629,89 @@ def test_the_readme_failure_is_what_pytest_prints(
     assert failures == expected
 
 
-def test_with_pytest_memray_loaded_the_markers_are_its_and_a_warning_says_so(
-    pytester: pytest.Pytester, no_gpu_anywhere: None
+BESIDE_MEMRAY = """
+import pytest
+import torch
+
+
+@pytest.mark.limit_memory("1 MB", device="cpu")
+def test_ours_by_its_device():
+    x = torch.zeros(1024, 1024)
+    del x
+
+
+@pytest.mark.torchmem_limit_memory("1 MB")
+def test_ours_by_its_name():
+    x = torch.zeros(1024, 1024)
+    del x
+
+
+@pytest.mark.limit_memory("1.5 GiB")  # a size pytest-memray cannot read
+def test_ours_by_its_size():
+    x = torch.zeros(1024, 1024)
+    del x
+
+
+@pytest.mark.torchmem_limit_leaks(0)
+@pytest.mark.limit_memory("1 MB")
+def test_both():
+    bytearray(4 * 2**20)
+
+
+class TestShared:
+    pytestmark = pytest.mark.limit_leaks(0, device="cpu")
+
+    def test_one(self):
+        torch.zeros(256)
+
+    def test_two(self):
+        KEPT.append(torch.zeros(256))
+
+
+KEPT = []
+"""
+
+
+@pytest.mark.parametrize("flag", [(), ("--memray",)], ids=["markers", "--memray"])
+def test_beside_pytest_memray_each_plugin_judges_its_own_markers(
+    pytester: pytest.Pytester, no_gpu_anywhere: None, flag: tuple[str, ...]
 ) -> None:
+    """pytest-memray acts on markers of its names with or without ``--memray``, and ends
+    the whole run with an INTERNALERROR on arguments its functions do not take: it
+    never sees torchmem's. A marker with only its arguments is its, with a warning."""
     pytest.importorskip("pytest_memray")
-    pytester.makepyfile(test_sizes=SIZES)
-    result = pytester.runpytest_inprocess("-p", "no:cacheprovider", "-rA")
-    result.stdout.fnmatch_lines(
-        ["*PytestWarning: pytest-memray is loaded and acts on limit_memory and limit_leaks too*"]
+    pytester.makepyfile(test_beside=BESIDE_MEMRAY)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-rA", *flag)
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    result.stdout.no_fnmatch_line("*INTERNALERROR*")
+    assert outcomes(result) == {
+        "test_beside.py::test_ours_by_its_device": "FAILED",
+        "test_beside.py::test_ours_by_its_name": "FAILED",
+        "test_beside.py::test_ours_by_its_size": "PASSED",
+        "test_beside.py::TestShared::test_one": "PASSED",
+        "test_beside.py::TestShared::test_two": "FAILED",
+    }
+    ours = (
+        "Test was limited to 1.00M but peaked at 4.00M on cpu (4,194,304 bytes above the"
+        " * in use when it started)"
     )
-    result.stdout.no_fnmatch_line("Test was limited to 1.00M*")  # torchmem's wording
+    result.stdout.fnmatch_lines(
+        [
+            "*_ test_ours_by_its_device _*",
+            ours,
+            "*_ test_ours_by_its_name _*",
+            ours,
+            "*_ test_both _*",
+            "Test was limited to 1.0MiB but allocated 4.0MiB",  # pytest-memray's
+            "*_ TestShared.test_two _*",
+            "Test was limited to leaking 0.00B but kept 1.00K on cpu (1,024 bytes more in use"
+            " after it returned and gc.collect() than when it started)",
+            "*PytestWarning: pytest-memray is loaded and judges the limit_memory and"
+            " limit_leaks markers that it can read*torchmem_limit_memory*-p no:memray*",
+            "MEMORY PROBLEMS test_beside.py::test_both*",
+        ]
+    )
+    assert result.stdout.str().count("PytestWarning: pytest-memray is loaded") == 1
 
 
 def test_torch_func_runs_in_a_limited_test(
@@ -649,3 +735,208 @@ def test_torch_func_runs_in_a_limited_test(
     )
     result = run(pytester, "--torchmem")
     result.assert_outcomes(passed=1)
+
+
+XFAIL = """
+import pytest
+import torch
+
+
+@pytest.mark.xfail(reason="over its limit")
+@pytest.mark.limit_memory("1 MB")
+def test_over():
+    x = torch.zeros(1024, 1024)
+    del x
+
+
+@pytest.mark.xfail(reason="over its limit", strict=True)
+@pytest.mark.limit_memory("1 MB")
+def test_over_strict():
+    x = torch.zeros(1024, 1024)
+    del x
+
+
+@pytest.mark.xfail(reason="over its limit", strict=True)
+@pytest.mark.limit_memory("8 MB")
+def test_within_strict():
+    x = torch.zeros(1024, 1024)
+    del x
+
+
+@pytest.mark.xfail(reason="over its limit")
+@pytest.mark.limit_leaks("1 MB")
+def test_within():
+    x = torch.zeros(1024, 1024)
+    del x
+"""
+
+
+def test_a_limit_gone_over_is_a_failure_xfail_expects(
+    pytester: pytest.Pytester, no_gpu_anywhere: None
+) -> None:
+    pytester.makepyfile(test_xfail=XFAIL)
+    result = run_here(pytester, "--torchmem-json", "memory.json")
+    result.assert_outcomes(xfailed=2, failed=1, xpassed=1)
+    assert result.ret == pytest.ExitCode.TESTS_FAILED  # the strict XPASS alone
+    result.stdout.fnmatch_lines(
+        [
+            "*_ test_within_strict _*",
+            "[XPASS(strict)] over its limit",
+            "*short test summary info*",
+            "XFAIL test_xfail.py::test_over - over its limit",
+            "XFAIL test_xfail.py::test_over_strict - over its limit",
+            "XPASS test_xfail.py::test_within - over its limit",
+            "FAILED test_xfail.py::test_within_strict - [XPASS(strict)] over its limit",
+        ]
+    )
+    result.stdout.no_fnmatch_line("*torchmem: what held memory*")
+    tests = json.loads((pytester.path / "memory.json").read_text())["tests"]
+    assert [(t["outcome"], [v["measured_bytes"] for v in t["limits"]]) for t in tests] == [
+        ("skipped", [4 * MiB]),
+        ("skipped", [4 * MiB]),
+        ("failed", [4 * MiB]),
+        ("passed", [0]),
+    ]
+
+
+HELD = """
+import gc
+
+import pytest
+import torch
+from torchmem.meters import meter
+
+START = []
+
+
+def test_first():
+    gc.disable()  # whatever outlives a test, the way only gc.collect() frees it
+    START.append(meter("cpu").used())
+
+
+@pytest.mark.limit_memory("64 MB")
+def test_raises():
+    model = torch.nn.Linear(1024, 1024)
+    model(torch.zeros(4, 1024))
+    raise ValueError("the test's own")
+
+
+@pytest.mark.limit_memory("1 MB")
+def test_over():
+    model = torch.nn.Linear(1024, 1024)
+    model(torch.zeros(4, 1024))
+
+
+def test_next():
+    used = meter("cpu").used()
+    gc.enable()
+    print(f"in use after the others: {used - START[0]:,} bytes")
+"""
+
+
+def test_a_failed_test_keeps_nothing_alive_after_it(
+    pytester: pytest.Pytester, no_gpu_anywhere: None
+) -> None:
+    """A failure, the test's own or a limit's, holds the test's frame (its model) in its
+    traceback: nothing of the plugin's may hold that traceback in a reference cycle."""
+    pytester.makepyfile(test_held=HELD)
+    result = run_here(pytester, "-s")
+    result.assert_outcomes(passed=2, failed=2)
+    result.stdout.fnmatch_lines(["*in use after the others: 0 bytes*"])
+
+
+THREADS = """
+import threading
+
+import pytest
+import torch
+
+GO, HELD, FREE, FREED = (threading.Event() for _ in range(4))
+STOP = threading.Event()
+
+
+def churn():
+    while True:
+        GO.wait()
+        GO.clear()
+        if STOP.is_set():
+            return
+        x = torch.zeros(4 * 2**20)
+        HELD.set()
+        FREE.wait()
+        FREE.clear()
+        del x
+        FREED.set()
+
+
+def elsewhere():
+    # The worker allocates 16 MiB while this thread waits, and frees it.
+    HELD.clear()
+    FREED.clear()
+    GO.set()
+    HELD.wait()
+    FREE.set()
+    FREED.wait()
+
+
+def test_starts_a_worker():
+    threading.Thread(target=churn, name="worker", daemon=True).start()
+
+
+@pytest.mark.limit_memory("2 MB", device="cpu")
+def test_every_thread():
+    x = torch.zeros(1024)
+    elsewhere()
+
+
+@pytest.mark.limit_memory("2 MB", device="cpu", current_thread_only=True)
+def test_this_thread():
+    x = torch.zeros(1024)
+    elsewhere()
+
+
+@pytest.mark.limit_leaks(0, device="cpu", current_thread_only=True)
+def test_this_thread_keeps_nothing():
+    elsewhere()
+
+
+def test_stops_the_worker():
+    STOP.set()
+    GO.set()
+"""
+
+
+@pytest.mark.parametrize("summary", [(), ("--torchmem",)], ids=["limits", "--torchmem"])
+def test_a_thread_of_another_test_is_counted_named_or_left_out(
+    pytester: pytest.Pytester, no_gpu_anywhere: None, summary: tuple[str, ...]
+) -> None:
+    pytester.makepyfile(test_threads=THREADS)
+    result = run_here(pytester, "--torchmem-json", "memory.json", *summary)
+    assert outcomes(result) == {
+        "test_threads.py::test_starts_a_worker": "PASSED",
+        "test_threads.py::test_every_thread": "FAILED",
+        "test_threads.py::test_this_thread": "PASSED",
+        "test_threads.py::test_this_thread_keeps_nothing": "PASSED",
+        "test_threads.py::test_stops_the_worker": "PASSED",
+    }
+    result.stdout.fnmatch_lines(
+        [
+            "Test was limited to 2.00M but peaked at 16.00M on cpu (16,781,312 bytes above the"
+            " * in use when it started), of which 16.00M from thread 'worker' (not the test's)",
+            "Every thread's allocations count: current_thread_only=True counts the test's"
+            " thread alone.",
+            "*- torchmem: what held memory at the peak on cpu -*",
+        ]
+    )
+    document = json.loads((pytester.path / "memory.json").read_text())
+    tests = {t["nodeid"]: t for t in document["tests"]}
+    measured = {
+        name.split("::")[1]: [(v["current_thread_only"], v["measured_bytes"]) for v in t["limits"]]
+        for name, t in tests.items()
+        if t["limits"]
+    }
+    assert measured == {
+        "test_every_thread": [(False, 16 * MiB + 4096)],
+        "test_this_thread": [(True, 4096)],
+        "test_this_thread_keeps_nothing": [(True, 0)],
+    }

@@ -279,3 +279,28 @@ fine = torch.cuda.memory_allocated
 def test_no_module_is_over_500_lines(module: str) -> None:
     lines = len(MODULES[module].read_text().splitlines())
     assert lines <= MAX_LINES, f"{module} has {lines} lines"
+
+
+def exception_classes(source: str) -> Iterator[str]:
+    """The public classes defined in `source` whose bases name an exception or warning."""
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
+            bases = [ast.unparse(base) for base in node.bases]
+            if any(b.endswith(("Error", "Exception", "Warning", "OutOfMemory")) for b in bases):
+                yield node.name
+
+
+def test_every_error_lives_in_errors_under_one_base() -> None:
+    import torchmem.errors as errors
+
+    elsewhere = {
+        module: found
+        for module, path in MODULES.items()
+        if module != "torchmem.errors" and (found := list(exception_classes(path.read_text())))
+    }
+    assert not elsewhere, "torchmem's exceptions belong in torchmem.errors"
+    mine = list(exception_classes(MODULES["torchmem.errors"].read_text()))
+    assert {"BuildError", "EstimateError", "OutOfMemory", "UsageError"} <= set(mine)
+    for name in mine:
+        kind = getattr(errors, name)
+        assert issubclass(kind, (errors.TorchmemError, errors.TorchmemWarning)), name

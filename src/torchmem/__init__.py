@@ -34,7 +34,15 @@ _EXPORTS = {
         "nvml_handle",
         "preload_pytorch",
     ),
-    "torchmem.errors": ("EstimateError", "SnapshotError", "TorchmemError", "TorchmemWarning"),
+    "torchmem.errors": (
+        "BuildError",
+        "CommandError",
+        "EstimateError",
+        "SnapshotError",
+        "TorchmemError",
+        "TorchmemWarning",
+        "UsageError",
+    ),
     "torchmem.estimator": (
         "estimate",
         "Estimate",
@@ -158,10 +166,13 @@ if _typing.TYPE_CHECKING:
         preload_pytorch as preload_pytorch,
     )
     from torchmem.errors import (
+        BuildError as BuildError,
+        CommandError as CommandError,
         EstimateError as EstimateError,
         SnapshotError as SnapshotError,
         TorchmemError as TorchmemError,
         TorchmemWarning as TorchmemWarning,
+        UsageError as UsageError,
     )
     from torchmem.estimator import (
         Estimate as Estimate,

@@ -10,6 +10,17 @@ class TorchmemError(Exception):
     """Base class of the errors torchmem raises itself."""
 
 
+class UsageError(TorchmemError, RuntimeError):
+    """torchmem used in a way that cannot work (a recording read before it stopped, or
+    started twice; ranks gathered without a process group): the message says what to do
+    instead. A RuntimeError too, as such misuse was before."""
+
+
+class BuildError(TorchmemError):
+    """The counting CPU allocator could not be built, loaded or trusted here (the CPU
+    meter falls back to its dispatch mode)."""
+
+
 class CommandError(TorchmemError):
     """A ``torchmem`` command cannot do what was asked: the command line prints the message
     as one line and exits with `exit_code`."""
@@ -26,6 +37,23 @@ class SnapshotError(TorchmemError):
 
 class EstimateError(TorchmemError):
     """A function cannot be estimated on fake tensors (the message says why)."""
+
+
+class UnknownValue(EstimateError):
+    """A value fake tensors do not know decides a shape (an index, a size, what
+    ``nonzero`` finds): guessing it would give a wrong shape in silence."""
+
+
+class OutOfMemory(TorchmemError):
+    """The estimator's model of PyTorch's caching allocator could not serve a request
+    within its capacity (the estimate of a batch that does not fit)."""
+
+    def __init__(self, nbytes: int, event: int) -> None:
+        super().__init__(f"out of memory allocating {nbytes} bytes (event {event})")
+        self.nbytes = nbytes
+        """The request, in bytes."""
+        self.event = event
+        """The index of the allocation event that asked for it."""
 
 
 class TorchmemWarning(UserWarning):

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from torchmem.errors import UsageError
 from torchmem.records.ranks import Elsewhere, Imbalance, RankRun, RanksRecord
 from torchmem.records.run import CATEGORIES, RunRecord
 
@@ -101,13 +102,13 @@ def gather_reports(
         `dst` is None); None on the other ranks.
 
     Raises:
-        RuntimeError: ``torch.distributed`` has no process group yet.
+        UsageError: ``torch.distributed`` has no process group yet (a RuntimeError).
         ValueError: `dst` is not a rank of `group`, or `top` is below 1.
     """
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
-        raise RuntimeError(
+        raise UsageError(
             "torch.distributed has no process group: call init_process_group first,"
             " or run the script with `torchrun ... -m torchmem run script.py`"
         )
@@ -295,7 +296,7 @@ class Launch:
         """
         store = self._store
         if store is None:
-            raise RuntimeError("connect() first")
+            raise UsageError("connect() first")
         failed = bool(report.exit_code)
         store.set(f"report/{self.rank}", _payload(self.rank, report, error))
         if failed:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from torchmem.cli.command import Command
-from torchmem.errors import CommandError
+from torchmem.errors import BuildError, CommandError
 
 
 class BuildCommand(Command):
@@ -27,7 +27,7 @@ class BuildCommand(Command):
         try:
             path = native.build(force=args.force)
             native.load()
-        except native.BuildError as exc:
+        except BuildError as exc:
             raise CommandError(f"cannot build the counting CPU allocator: {exc}") from None
         print(f"built and self-tested: {path}")
         return 0

@@ -32,6 +32,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from torchmem.errors import OutOfMemory
 from torchmem.records.caching import (
     LARGE_BUFFER as LARGE_BUFFER,
     MIN_BLOCK as MIN_BLOCK,
@@ -58,15 +59,6 @@ def expandable_segments(conf: str | None = None) -> bool:
         if key.strip() == "expandable_segments":
             return value.strip().lower() == "true"
     return False
-
-
-class OutOfMemory(Exception):
-    """The modelled allocator could not serve a request within its capacity."""
-
-    def __init__(self, nbytes: int, event: int) -> None:
-        super().__init__(f"out of memory allocating {nbytes} bytes (event {event})")
-        self.nbytes = nbytes
-        self.event = event
 
 
 class Layout(NamedTuple):

@@ -22,15 +22,13 @@ from typing import Any
 import torch
 
 from torchmem._compat import data_dependent_operator
-from torchmem.errors import EstimateError
+from torchmem.errors import EstimateError, OutOfMemory, UnknownValue
 from torchmem.estimator.allocator import (
     SMALL_BUFFER as SEGMENT_GRANULE,
     CachingAllocator,
-    OutOfMemory,
     expandable_segments,
 )
 from torchmem.estimator.fake import FakeRun, run_fake
-from torchmem.estimator.values import UnknownValue
 from torchmem.recorder.analysis import Names, device_run, module_peaks
 from torchmem.recorder.sources import NO_SITE, Log
 from torchmem.records.estimate import EstimateRecord

@@ -16,17 +16,13 @@ from typing import Any
 import torch
 
 from torchmem._compat import FakeTensor, getframe, no_dispatch_modes
+from torchmem.errors import UnknownValue
 from torchmem.records.frames import choose, kind, own_file
 
 VALUES_NUMEL = 1 << 16
 """Most elements of an integer or boolean tensor whose real values the estimator keeps,
 computed on the CPU beside its fake run (batch offsets drawn with ``torch.randint``, and
 what is computed from them)."""
-
-
-class UnknownValue(Exception):
-    """A value fake tensors do not know decides a shape (an index, a size, what
-    ``nonzero`` finds): guessing it would give a wrong shape in silence."""
 
 
 def _small_integers(tensor: Any) -> bool:

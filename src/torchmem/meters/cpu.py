@@ -30,7 +30,7 @@ import torch
 
 from torchmem._compat import storage_key
 from torchmem._objects import of_types, subclasses
-from torchmem.errors import TorchmemError, TorchmemWarning
+from torchmem.errors import BuildError, TorchmemError, TorchmemWarning
 from torchmem.meters import native
 from torchmem.meters.base import Meter, Window, WindowRef, in_background
 from torchmem.meters.tensor import TensorMeter, storages_of
@@ -273,7 +273,7 @@ def cpu_meter() -> Meter:
         if _allocator_meter is None:
             try:
                 _allocator_meter = CpuAllocatorMeter(native.load())
-            except native.BuildError as exc:
+            except BuildError as exc:
                 _unavailable = str(exc)
                 warnings.warn(
                     f"torchmem: the counting CPU allocator is not available ({exc}); CPU"

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from torchmem._compat import cxx11_abi, getframe
-from torchmem.errors import TorchmemError
+from torchmem.errors import BuildError
 from torchmem.records import frames
 
 SOURCE = Path(__file__).with_name("cpu_allocator.cpp")
@@ -50,10 +50,6 @@ NO_FRAME_SITE = -3
 """The site index of an allocation made with no Python frame on the thread's stack."""
 _SELF_TEST_BYTES = 4096
 _INSTALL_ERRORS = {1: "another CPU allocator than PyTorch's default is installed"}
-
-
-class BuildError(TorchmemError):
-    """The counting CPU allocator could not be built, loaded or trusted here."""
 
 
 class CpuAllocatorLibrary:

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from torchmem._compat import getframe
-from torchmem.errors import TorchmemError
+from torchmem.errors import TorchmemError, UsageError
 from torchmem.meters import meter
 from torchmem.meters.ram import RamMeter
 from torchmem.recorder.analysis import Names, device_run, laps_run, module_peaks
@@ -88,7 +88,7 @@ class Recording:
     def start(self) -> Recording:
         """Start recording (once)."""
         if self._started:
-            raise RuntimeError("this recording has started already: make a new one")
+            raise UsageError("this recording has started already: make a new one")
         wanted = self.device
         if wanted in (None, "cpu"):
             cpu = CpuLog(self.sites)
@@ -188,7 +188,7 @@ class Recording:
         from torchmem.recorder.snapshot_export import snapshot
 
         if not self._stopped:
-            raise RuntimeError("stop the recording (leave its with-block) before saving it")
+            raise UsageError("stop the recording (leave its with-block) before saving it")
         cpu = next((log for log in self._logs if log.device == "cpu"), None)
         cuda = self._cuda.history if self._cuda is not None else None
         if cpu is None and cuda is None:
@@ -209,7 +209,7 @@ class Recording:
             RuntimeError: the recording has not stopped.
         """
         if not self._stopped:
-            raise RuntimeError("stop the recording (leave its with-block) before reading it")
+            raise UsageError("stop the recording (leave its with-block) before reading it")
         found: dict[int, SiteKey] = {}
         for log in self._logs:
             if log.device == device:
@@ -228,7 +228,7 @@ class Recording:
             top: how many sites, allocations and modules to list (the text and the JSON).
         """
         if not self._stopped:
-            raise RuntimeError("stop the recording (leave its with-block) before its report")
+            raise UsageError("stop the recording (leave its with-block) before its report")
         if top < 1:
             raise ValueError(f"top must be at least 1, not {top!r}")
         watcher = self._watcher or Watcher()

@@ -48,10 +48,11 @@ def device_run(
         namer: turns a mark's name into a name (None: no name), and names backward passes.
         table: the names the marks gave, by index.
         variables: address -> name of a variable holding that storage at the end.
-        top: how many sites and allocations to keep.
+        top: how many of the largest allocations to list (every site is kept).
     """
     tally = found.tally
     at_start = tally.peak_seq < tally.first
+    largest, others = _largest(found, namer, table, variables, top)
     return DeviceRun(
         device=found.device,
         start_bytes=tally.base,
@@ -61,8 +62,9 @@ def device_run(
         timeline=tally.timeline(stop, BUCKETS),
         categories_at_peak=_categories(tally.at_peak, tally.hidden_at_peak),
         categories_at_end=_categories(tally.live, tally.hidden),
-        sites_at_peak=_sites(found, top, namer),
-        largest_at_peak=_largest(found, namer, table, variables, top),
+        sites_at_peak=_sites(found, namer),
+        largest_at_peak=largest,
+        others_at_peak=others,
         reserved_peak_bytes=found.reserved_peak,
     )
 
@@ -83,7 +85,7 @@ def _key(found: Tallied, site: int, owner: int, names: Names) -> SiteKey | None:
     return key
 
 
-def _sites(found: Tallied, top: int, names: Names) -> tuple[Site, ...]:
+def _sites(found: Tallied, names: Names) -> tuple[Site, ...]:
     records = found.tally.at_peak
     made = records.born >= 0
     if not made.any() or bool((records.site[made] == NO_SITE).all()):
@@ -101,7 +103,7 @@ def _sites(found: Tallied, top: int, names: Names) -> tuple[Site, ...]:
     if before:
         sites.append(Site(BEFORE, 0, "", before))
     sites.sort(key=lambda s: s.bytes, reverse=True)
-    return tuple(sites[:top])
+    return tuple(sites)
 
 
 def _largest(
@@ -110,13 +112,17 @@ def _largest(
     table: NameTable,
     variables: dict[int, str],
     top: int,
-) -> tuple[Held, ...]:
+) -> tuple[tuple[Held, ...], tuple[int, int]]:
+    """The `top` largest allocations alive at the peak, and ``(count, bytes)`` of the
+    others."""
     tally = found.tally
     records = tally.at_peak
     # Allocated while recording, or alive from before and named.
     listed = (records.born >= 0) | (records.name != UNNAMED)
     order = np.flatnonzero(listed)
-    order = order[np.argsort(-records.size[order], kind="stable")][:top]
+    order = order[np.argsort(-records.size[order], kind="stable")]
+    others = (len(order[top:]), int(records.size[order[top:]].sum()))
+    order = order[:top]
     alive = set(tally.live.key.tolist())
     held = []
     for i in order.tolist():
@@ -138,7 +144,7 @@ def _largest(
             name = f"Tensor@{os.path.basename(where)}" if where else "Tensor"
         held.append(_held(name, size, category, entry, where))
     held.sort(key=lambda h: h.bytes, reverse=True)
-    return tuple(held[:top])
+    return tuple(held), others
 
 
 def _held(

@@ -120,7 +120,11 @@ class DeviceRun:
     sites_at_peak: tuple[Site, ...] = ()
     """Source lines whose allocations were alive at the peak, largest first."""
     largest_at_peak: tuple[Held, ...] = ()
-    """The largest allocations alive at the peak, largest first."""
+    """The largest allocations alive at the peak, largest first (as many as the report
+    was asked to list)."""
+    others_at_peak: tuple[int, int] = (0, 0)
+    """``(count, bytes)`` of the allocations alive at the peak that :attr:`largest_at_peak`
+    leaves out."""
     reserved_peak_bytes: int | None = None
     """CUDA only: the caching allocator's highest reserved bytes."""
     exact: bool = True
@@ -240,10 +244,12 @@ def _device_json(run: DeviceRun) -> dict[str, Any]:
         "categories_at_end": run.categories_at_end,
         "sites_at_peak": [s.to_json() for s in run.sites_at_peak],
         "largest_at_peak": [_held_json(h) for h in run.largest_at_peak],
+        "others_at_peak": {"count": run.others_at_peak[0], "bytes": run.others_at_peak[1]},
     }
 
 
 def _device_from_json(name: str, entry: dict[str, Any], timeline: Any) -> DeviceRun:
+    others = entry.get("others_at_peak") or {"count": 0, "bytes": 0}  # older reports: none
     return DeviceRun(
         name,
         entry["start_bytes"],
@@ -258,6 +264,7 @@ def _device_from_json(name: str, entry: dict[str, Any], timeline: Any) -> Device
             Held(**{**h, "shape": None if h["shape"] is None else tuple(h["shape"])})
             for h in entry["largest_at_peak"]
         ),
+        others_at_peak=(others["count"], others["bytes"]),
         reserved_peak_bytes=entry["reserved_peak_bytes"],
         exact=entry["exact"],
     )

@@ -150,6 +150,8 @@ def _largest(run: DeviceRun, top: int) -> Section | None:
     if not run.largest_at_peak:
         return None
     shown, hidden = run.largest_at_peak[:top], run.largest_at_peak[top:]
+    count, size = run.others_at_peak
+    count, size = count + len(hidden), size + sum(h.bytes for h in hidden)
     rows = [
         (
             readable_size(h.bytes),
@@ -165,7 +167,7 @@ def _largest(run: DeviceRun, top: int) -> Section | None:
         f"Largest allocations alive at the peak on {run.device}:",
         rows,
         left=(1, 2, 3, 4, 5),
-        more=_more(len(hidden), "allocation", sum(h.bytes for h in hidden)),
+        more=_more(count, "allocation", size),
     )
 
 

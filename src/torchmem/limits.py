@@ -19,6 +19,7 @@ from dataclasses import replace
 from torchmem._compat import getframe, thread_frames
 from torchmem.meters import Meter, TensorMeter, Window, meter
 from torchmem.recorder import Recording
+from torchmem.records import TOP
 from torchmem.records.frames import SiteKey
 from torchmem.records.limits import Elsewhere, Limit, Origin, Usage, Verdict
 from torchmem.records.run import Site
@@ -26,9 +27,6 @@ from torchmem.records.tensors import TensorRecord
 from torchmem.resolve import DeviceLike, resolve_device
 from torchmem.tensors import MemReporter, diff
 from torchmem.units import parse_size
-
-TOP = 10
-"""How many lines, allocations and modules a failure's explanation lists."""
 
 
 def device_name(device: DeviceLike | None) -> str:

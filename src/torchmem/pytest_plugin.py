@@ -58,7 +58,7 @@ MEMRAY = (
     f" {PREFIX}limit_memory and {PREFIX}limit_leaks for torchmem's limits (GPU and tensor"
     " memory), or run pytest with -p no:memray."
 )
-TOP = 5
+TOP_TESTS = 5
 """How many tests per device ``--torchmem`` lists by default."""
 JSON_VERSION = 1
 """The version of the ``--torchmem-json`` file's layout."""
@@ -76,9 +76,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption(
         "--torchmem-top",
         type=int,
-        default=TOP,
+        default=TOP_TESTS,
         metavar="N",
-        help=f"how many tests per device --torchmem lists (default: {TOP})",
+        help=f"how many tests per device --torchmem lists (default: {TOP_TESTS})",
     )
     group.addoption(
         "--torchmem-json",

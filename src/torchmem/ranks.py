@@ -31,11 +31,10 @@ from typing import Any
 import torch
 
 from torchmem.errors import UsageError
+from torchmem.records import TOP
 from torchmem.records.ranks import Elsewhere, Imbalance, RankRun, RanksRecord
 from torchmem.records.run import CATEGORIES, RunRecord
 
-TOP = 10
-"""How many sites, allocations and modules the highest rank's detail lists by default."""
 POLL = 0.05
 """Seconds between two looks at the store while waiting for other ranks."""
 GRACE = 10.0

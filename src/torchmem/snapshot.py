@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, NamedTuple, NoReturn
 
 from torchmem.errors import SnapshotError
+from torchmem.records import TOP
 from torchmem.records.caching import read_trace, replay_trace, timeline
 from torchmem.records.frames import Frame, SiteKey, stack_site
 from torchmem.records.run import Site
@@ -40,8 +41,6 @@ from torchmem.records.snapshot_file import SnapshotUnpickler as _Unpickler, open
 
 ACTIVE = ("active_allocated", "active_pending_free")
 """The states of a block in use."""
-TOP = 10
-"""How many sites and segments a report lists by default."""
 MAX_POINTS = 2000
 """A timeline has at most this many intervals."""
 NO_FRAMES = "<no frames>"

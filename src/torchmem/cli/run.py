@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from torchmem.cli.command import Command
 from torchmem.errors import CommandError, TorchmemError
+from torchmem.records import TOP
 
 if TYPE_CHECKING:
     from torchmem.ranks import Launch, RanksReport
@@ -65,7 +66,7 @@ class RunCommand(Command):
         parser.add_argument(
             "--top",
             type=int,
-            default=10,
+            default=TOP,
             metavar="N",
             help="list N sites, tensors, modules (default: %(default)s)",
         )

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from torchmem.cli.command import Command
 from torchmem.errors import CommandError
+from torchmem.records import TOP
 
 if TYPE_CHECKING:
     from torchmem.snapshot import Snapshot, SnapshotDiff
@@ -36,7 +37,7 @@ class SnapshotCommand(Command):
         parser.add_argument(
             "--top",
             type=int,
-            default=10,
+            default=TOP,
             metavar="N",
             help="list N sites and segments (default: %(default)s)",
         )

@@ -31,11 +31,10 @@ from torchmem.estimator.allocator import (
 from torchmem.estimator.fake import FakeRun, run_fake
 from torchmem.recorder.analysis import Names, device_run, module_peaks
 from torchmem.recorder.sources import NO_SITE, Log
+from torchmem.records import TOP
 from torchmem.records.estimate import EstimateRecord
 from torchmem.units import parse_size
 
-TOP = 10
-"""How many sites, allocations and modules the text and HTML list."""
 CONTEXT_BYTES = 512 * 2**20
 """The allowance for the CUDA context (the driver's and the kernels' memory, outside the
 caching allocator) that :meth:`Estimate.fits` adds: about what CUDA 12 takes on an H100

@@ -22,12 +22,10 @@ from torchmem.recorder.analysis import Names, device_run, laps_run, module_peaks
 from torchmem.recorder.hooks import Watcher
 from torchmem.recorder.notes import Notes
 from torchmem.recorder.sources import CpuLog, CudaLog, Laps, Tallied
+from torchmem.records import TOP
 from torchmem.records.frames import SiteKey
 from torchmem.records.run import DeviceRun, ModulePeak, RunRecord
 from torchmem.resolve import DeviceLike, resolve_device
-
-TOP = 10
-"""How many sites, allocations and modules a report lists by default."""
 
 
 @dataclass(frozen=True)

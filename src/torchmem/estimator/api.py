@@ -176,31 +176,7 @@ def estimate(fn: Callable[..., Any], *args: Any, device: str = "cuda", **kwargs:
             " values of a tensor, which an estimate does not have. Give the shape a"
             " fixed size (e.g. a mask multiplied in instead of indexed with)."
         ) from None
-    notes = []
-    if target == "cuda" and not len(fake.log.events):
-        notes.append(
-            "No tensor was on the GPU: fn made its tensors on the CPU. Build them with"
-            " device='cuda' or move them (.cuda(), .to('cuda')), as on a GPU."
-        )
-    if fake.compiled:
-        notes.append(COMPILED)
-    if fake.loaders:
-        notes.append(
-            f"DataLoader workers: {fake.loaders} pass(es) over a DataLoader with num_workers > 0"
-            " made their batches in this process (an estimate follows one process); the"
-            " batches, and the memory they take in the step, are the same."
-        )
-    if fake.spread:
-        notes.append(
-            f"Assumed: the choices of {fake.spread} topk call(s) on values the estimate does"
-            " not know (a mixture of experts' router) are spread evenly, each candidate"
-            " (expert) chosen as often as the others."
-        )
-    if fake.reads:
-        notes.append(
-            f"{fake.reads} value(s) read from tensors (.item(), bool(t)) were taken as 1"
-            " (False for booleans): fake tensors have no values."
-        )
+    notes = _notes(fake, cuda=target == "cuda")
     log, reserved, expandable = fake.log, None, False
     requests: tuple[int, ...] = ()
     if target == "cuda":
@@ -239,6 +215,37 @@ def estimate(fn: Callable[..., Any], *args: Any, device: str = "cuda", **kwargs:
         function=getattr(fn, "__qualname__", repr(fn)),
         requests=requests,
     )
+
+
+def _notes(fake: FakeRun, *, cuda: bool) -> list[str]:
+    """What a reader of the estimate must know of its fake run: what it assumed, and what
+    ran otherwise than on a GPU."""
+    notes = []
+    if cuda and not len(fake.log.events):
+        notes.append(
+            "No tensor was on the GPU: fn made its tensors on the CPU. Build them with"
+            " device='cuda' or move them (.cuda(), .to('cuda')), as on a GPU."
+        )
+    if fake.compiled:
+        notes.append(COMPILED)
+    if fake.loaders:
+        notes.append(
+            f"DataLoader workers: {fake.loaders} pass(es) over a DataLoader with num_workers > 0"
+            " made their batches in this process (an estimate follows one process); the"
+            " batches, and the memory they take in the step, are the same."
+        )
+    if fake.spread:
+        notes.append(
+            f"Assumed: the choices of {fake.spread} topk call(s) on values the estimate does"
+            " not know (a mixture of experts' router) are spread evenly, each candidate"
+            " (expert) chosen as often as the others."
+        )
+    if fake.reads:
+        notes.append(
+            f"{fake.reads} value(s) read from tensors (.item(), bool(t)) were taken as 1"
+            " (False for booleans): fake tensors have no values."
+        )
+    return notes
 
 
 def max_batch_size(

@@ -9,6 +9,7 @@ import io
 import json
 import os
 import pickle
+import pickletools
 import struct
 import subprocess
 import sys
@@ -25,7 +26,7 @@ from torchmem.cli import main
 from torchmem.errors import SnapshotError
 from torchmem.records.frames import stack_site
 from torchmem.records.run import DeviceRun, Site
-from torchmem.records.snapshot_file import SnapshotUnpickler
+from torchmem.records.snapshot_file import MAX_TUPLE_DEPTH, SnapshotUnpickler
 from torchmem.snapshot import MAX_STACK_FRAMES, Snapshot, load_snapshot
 
 NOT_UTF8 = os.fsdecode(b"/tmp/x\xff/train.py")
@@ -178,6 +179,117 @@ def test_the_command_makes_json_only_for_json(
     monkeypatch.setattr(Snapshot, "to_json", unwanted)
     assert main(["snapshot", str(path)]) == 0
     assert "Allocation sites in use at the snapshot on cuda:1:" in capsys.readouterr().out
+
+
+# -- tuples nested deep ----------------------------------------------------------------------
+
+
+def too_deep(path: Path | str, at: int) -> str:
+    """What a file whose tuples nest deeper than the limit is refused with."""
+    return (
+        f"{path} is not a memory snapshot: its tuples nest deeper than {MAX_TUPLE_DEPTH}"
+        f" (at byte {at})"
+    )
+
+
+def test_a_tuple_nested_200000_deep_as_a_key_is_refused_without_a_crash(tmp_path: Path) -> None:
+    """A 200 KB dict whose key is None in 200,000 tuples: hashing the key overflows CPython's
+    C stack while it is unpickled, and the process dies. Read in a child process, where a
+    crash fails the test instead of ending pytest; refused at byte 104, its 101st TUPLE1."""
+    path = written(tmp_path, b"\x80\x02}N" + b"\x85" * 200_000 + b"Ns.")
+    assert path.stat().st_size < 200 * 2**10
+    command = [sys.executable, "-m", "torchmem", "snapshot", path.name]
+    done = subprocess.run(command, capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert (done.returncode, done.stdout) == (1, "")
+    assert done.stderr == f"torchmem snapshot: error: {too_deep(path.name, 104)}\n"
+
+
+DEEP_150 = {
+    "TUPLE1 after TUPLE1, the stream cut short": (b"\x80\x02}N" + b"\x85" * 150 + b"Ns", 104),
+    "TUPLE after MARK": (b"\x80\x02}" + b"(" * 150 + b"N" + b"t" * 150 + b"Ns.", 254),
+    "protocol 0": (b"(" * 150 + b"I1\n" + b"t" * 150 + b".", 253),
+    "DUP then TUPLE2": (b"\x80\x02}N\x85" + b"2\x86" * 150 + b"Ns.", 204),
+    "the memo's tuple twice, stored again": (
+        b"\x80\x02}N\x85q\x00" + b"h\x00h\x00\x86q\x00" * 150 + b"h\x00Ns.",
+        704,
+    ),
+    "in a frozenset": (b"\x80\x04(N" + b"\x85" * 150 + b"\x91.", 104),
+}
+"""Tuples nested 150 deep (hashing them is safe: any test that fails, fails alone), and
+the byte of the tuple that is 101 deep."""
+
+
+@pytest.mark.parametrize("case", sorted(DEEP_150))
+def test_tuples_nested_past_the_limit_are_refused(
+    tmp_path: Path, case: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    content, at = DEEP_150[case]
+    path = written(tmp_path, content)
+    refused_in_one_line(path, too_deep(path, at), capsys)
+
+
+def nested(depth: int) -> object:
+    """0 in `depth` tuples."""
+    found: object = 0
+    for _ in range(depth):
+        found = (found,)
+    return found
+
+
+@pytest.mark.parametrize("walked", [False, True], ids=["counted", "walked"])
+def test_a_snapshot_whose_tuples_nest_as_deep_as_the_limit_loads(
+    tmp_path: Path, walked: bool, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A tuple MAX_TUPLE_DEPTH deep, as a dict's key, loads: as is, under the limit of the
+    tuples that may hold tuples; and with 200 tuples of strings besides, each read then.
+    One deeper is refused, at the TUPLE1 that makes it."""
+    strings = [(f"s{i}",) for i in range(200 if walked else 0)]
+    data = {"segments": [], "key": {nested(MAX_TUPLE_DEPTH): 1}, "strings": strings}
+    path = written(tmp_path, data)
+    assert load_snapshot(path) == Snapshot.from_dict(data, str(path))
+    data["key"] = {nested(MAX_TUPLE_DEPTH + 1): 1}
+    content = pickle.dumps(data)
+    ops = pickletools.genops(content)
+    tuples = [at for op, _, at in ops if op.name == "TUPLE1" and at is not None]
+    path = written(tmp_path, content)
+    refused_in_one_line(path, too_deep(path, tuples[MAX_TUPLE_DEPTH]), capsys)
+
+
+def test_a_second_pickle_that_nests_the_firsts_tuple_deeper_is_refused() -> None:
+    """The second pickle reads the first's memo: its tuple 60 deep, in 60 more tuples. The
+    41st TUPLE1 (4 bytes into the second pickle) makes it 101 deep."""
+    first = b"\x80\x02K\x00" + b"\x85" * 60 + b"q\x00."
+    second = b"\x80\x02h\x00" + b"\x85" * 60 + b"."
+    unpickler = SnapshotUnpickler(io.BytesIO(first + second), "two")
+    assert unpickler.load() == nested(60)
+    with pytest.raises(SnapshotError) as caught:
+        unpickler.load()
+    assert str(caught.value) == too_deep("two", len(first) + 4 + 40)
+
+
+def test_lists_and_dicts_nested_200000_deep_are_read_without_a_crash(tmp_path: Path) -> None:
+    """Hashing stops at a list or dict, and CPython frees them without recursing: as a
+    snapshot's unknown keys, they are read (in a child process, where a crash fails the
+    test); as the whole file, a list is not a snapshot."""
+    lists = b"]" * 200_000 + b"a" * 199_999
+    dicts = b"}" + b"K\x00}" * 200_000 + b"s" * 200_000
+    content = b"\x80\x04}(\x8c\x08segments]\x8c\x05lists" + lists + b"\x8c\x05dicts" + dicts
+    written(tmp_path, content + b"u.", "deep.pickle")
+    written(tmp_path, b"\x80\x04" + lists + b".", "list.pickle")
+    command = [sys.executable, "-m", "torchmem", "snapshot"]
+    done = subprocess.run(
+        [*command, "deep.pickle"], capture_output=True, text=True, cwd=tmp_path, timeout=120
+    )
+    assert (done.returncode, done.stderr) == (0, "")
+    assert "The snapshot holds no segments and no trace." in done.stdout
+    done = subprocess.run(
+        [*command, "list.pickle"], capture_output=True, text=True, cwd=tmp_path, timeout=120
+    )
+    assert (done.returncode, done.stdout) == (1, "")
+    assert done.stderr == (
+        "torchmem snapshot: error: list.pickle is not a memory snapshot: it holds a list, not"
+        " a dict\n"
+    )
 
 
 # -- numbers and files that are not a snapshot's ------------------------------------------

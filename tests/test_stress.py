@@ -169,11 +169,6 @@ WORKLOAD = textwrap.dedent(
             time.sleep(0.01)
 
 
-    def watchdog(worker_id):
-        # A worker that hangs shows where, before the parent's own dump ends the run.
-        faulthandler.dump_traceback_later(TIMEOUT * 0.75, exit=True)
-
-
     def workload(seed):
         """Every kind of thread at once; returns the tensors the churners kept."""
         loader = DataLoader(
@@ -181,7 +176,6 @@ WORKLOAD = textwrap.dedent(
             batch_size=2,
             num_workers=2,
             multiprocessing_context="fork",
-            worker_init_fn=watchdog,
         )
         kept = []
         lock = threading.Lock()

@@ -267,26 +267,30 @@ def test_grouped_matrix_products_in_float32_estimate_as_the_cpu_runs_them() -> N
     assert found.peak_bytes == measured_cpu_peak("grouped_step")
 
 
+def estimate_command(cwd: Path, *words: str) -> subprocess.CompletedProcess[str]:
+    """``torchmem estimate *words`` in a fresh process, in `cwd`."""
+    command = [sys.executable, "-m", "torchmem", "estimate", *words]
+    return subprocess.run(command, cwd=cwd, capture_output=True, text=True, check=False)
+
+
 def test_the_command_line_refuses_batch_for_a_script_and_asks_for_a_forgotten_one(
     tmp_path,
 ) -> None:  # type: ignore[no-untyped-def]
     (tmp_path / "steps.py").write_text("import torch\n\ndef step(batch):\n    torch.empty(batch)\n")
     (tmp_path / "train.py").write_text("import torch\n\ntorch.empty(10)\n")
 
-    def estimate_command(*words: str) -> subprocess.CompletedProcess[str]:
-        command = [sys.executable, "-m", "torchmem", "estimate", "--device", "cpu", *words]
-        return subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, check=False)
-
     # Ignored before: the script ran, without a word.
-    script = estimate_command("--batch", "4", "train.py")
+    script = estimate_command(tmp_path, "--device", "cpu", "--batch", "4", "train.py")
     assert script.returncode == 1
     assert "--batch takes a MODULE:FUNCTION" in script.stderr
     # A traceback through torchmem's code before.
-    forgotten = estimate_command("steps:step")
+    forgotten = estimate_command(tmp_path, "--device", "cpu", "steps:step")
     assert forgotten.returncode == 1
     assert "steps:step(batch) cannot be called with no arguments" in forgotten.stderr
     assert "Traceback" not in forgotten.stderr
-    assert estimate_command("steps:step", "--batch", "4").returncode == 0
+    assert (
+        estimate_command(tmp_path, "--device", "cpu", "steps:step", "--batch", "4").returncode == 0
+    )
 
 
 def test_the_functions_own_error_keeps_its_traceback_and_bad_options_are_one_line(
@@ -295,12 +299,8 @@ def test_the_functions_own_error_keeps_its_traceback_and_bad_options_are_one_lin
     (tmp_path / "train.py").write_text('import torch\n\nlr = float("0.1x")\n')
     (tmp_path / "steps.py").write_text("import torch\n\ndef step(batch):\n    torch.empty(batch)\n")
 
-    def estimate_command(*words: str) -> subprocess.CompletedProcess[str]:
-        command = [sys.executable, "-m", "torchmem", "estimate", *words]
-        return subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, check=False)
-
     # One line, "error: could not convert...", before: the traceback was lost.
-    own = estimate_command("--device", "cpu", "train.py")
+    own = estimate_command(tmp_path, "--device", "cpu", "train.py")
     assert own.returncode == 1
     assert own.stderr.startswith("Traceback (most recent call last):\n"), own.stderr
     assert 'File "train.py", line 3, in <module>' in own.stderr
@@ -311,7 +311,7 @@ def test_the_functions_own_error_keeps_its_traceback_and_bad_options_are_one_lin
         (("--capacity", "3x"), "invalid size '3x'"),
     ]:
         bad = estimate_command(
-            *words, "steps:step", *(() if "--capacity" in words else ("--batch", "4"))
+            tmp_path, *words, "steps:step", *(() if "--capacity" in words else ("--batch", "4"))
         )
         assert bad.returncode == 2
         assert bad.stderr.startswith(f"torchmem estimate: error: {said}"), bad.stderr

@@ -264,6 +264,24 @@ def test_errors_pass_through_and_hooks_go() -> None:
     assert type(real) is torch.Tensor and real.device.type == "cpu" and real.tolist() == [2.0] * 4
 
 
+def test_an_estimate_warns_nothing() -> None:
+    # In a process of its own: PyTorch warns once per process ("Accessing the data pointer
+    # of FakeTensor is deprecated", when a module's parameters were read by address).
+    code = textwrap.dedent(
+        """
+        import sys
+        sys.path.insert(0, "tests")
+        import torchmem
+        from test_estimate import mlp_step
+        torchmem.estimate(mlp_step, 8, device="cuda")
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-W", "error", "-c", code], capture_output=True, text=True, timeout=300
+    )
+    assert (done.returncode, done.stderr) == (0, "")
+
+
 @pytest.mark.parametrize(
     ("call", "error", "words"),
     [

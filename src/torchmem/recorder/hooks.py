@@ -227,7 +227,7 @@ class Watcher:
         params = module._parameters
         # Marked again only where a parameter or gradient is not where it was last time.
         where = tuple(
-            (p.data_ptr(), -1 if p.grad is None else p.grad.data_ptr())
+            (self._address(p), -1 if p.grad is None else self._address(p.grad))
             for p in params.values()
             if p is not None
         )
@@ -252,7 +252,7 @@ class Watcher:
             for key, value in values.items()
             if isinstance(value, torch.Tensor)
         ]
-        where = tuple(value.data_ptr() for _, _, value in state)
+        where = tuple(self._address(value) for _, _, value in state)
         if self._marked.get(id(optimizer)) == where:
             return
         self._marked[id(optimizer)] = where

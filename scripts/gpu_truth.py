@@ -8,14 +8,18 @@ or cached segment left by another): it builds its model on the GPU, then the all
 history starts, the peak counters reset and the step runs. It writes
 ``<workload>.pickle.gz`` (``torch.cuda.memory._snapshot()``, gzipped) and one
 ``facts.json`` with, per workload, ``max_memory_allocated``, ``max_memory_reserved``,
-the bytes allocated and reserved at the end, the device and the versions. The CPU tests
-check torchmem's snapshot reader, allocator model and estimator against them.
+the bytes allocated and reserved at the end, the device and the versions. Each workload
+runs again under each of :data:`SETTINGS` (``PYTORCH_CUDA_ALLOC_CONF``): its counters go
+under ``"settings"`` and its snapshot in ``<workload>.<setting>.pickle.gz``, the truth for
+the allocator model's what-ifs. The CPU tests check torchmem's snapshot reader, allocator
+model and estimator against them.
 """
 
 from __future__ import annotations
 
 import gzip
 import json
+import os
 import pickle
 import platform
 import subprocess
@@ -29,9 +33,25 @@ sys.path[:0] = [str(ROOT / "tests"), str(ROOT)]
 
 from gpu_workloads import WORKLOADS  # noqa: E402  (tests/ holds the workloads the tests share)
 
+SETTINGS = {
+    "expandable": "expandable_segments:True",
+    "max-split-64": "max_split_size_mb:64",
+    "gc-0.6": "garbage_collection_threshold:0.6",
+}
+"""Allocator settings each workload is also recorded under (name in file names: value)."""
+COUNTERS = (
+    "max_memory_allocated",
+    "max_memory_reserved",
+    "memory_allocated_at_end",
+    "memory_reserved_at_end",
+    "trace_entries",
+)
+"""What ``facts.json`` keeps of a run under one of :data:`SETTINGS`."""
 
-def record(name: str, out: Path) -> dict[str, object]:
-    """Run workload `name` on the current GPU; write its snapshot; return its facts."""
+
+def record(name: str, out: Path, setting: str = "") -> dict[str, object]:
+    """Run workload `name` on the current GPU; write its snapshot (``<name>.pickle.gz``,
+    or ``<name>.<setting>.pickle.gz`` under one of :data:`SETTINGS`); return its facts."""
     workload = WORKLOADS[name]
     state = workload.build("cuda")
     torch.cuda.synchronize()
@@ -42,7 +62,8 @@ def record(name: str, out: Path) -> dict[str, object]:
     torch.cuda.synchronize()
     snapshot = torch.cuda.memory._snapshot()
     torch.cuda.memory._record_memory_history(enabled=None)
-    with gzip.open(out / f"{name}.pickle.gz", "wb") as file:
+    stem = f"{name}.{setting}" if setting else name
+    with gzip.open(out / f"{stem}.pickle.gz", "wb") as file:
         pickle.dump(snapshot, file)
     facts = {
         "workload": workload.description,
@@ -56,9 +77,29 @@ def record(name: str, out: Path) -> dict[str, object]:
     return facts
 
 
+def one(name: str, out: Path, setting: str = "") -> dict[str, object]:
+    """Record workload `name` in a process of its own, under allocator `setting`."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+    }
+    if setting:
+        env["PYTORCH_CUDA_ALLOC_CONF"] = SETTINGS[setting]
+    command = [sys.executable, __file__, "--one", name, str(out), *([setting] if setting else [])]
+    done = subprocess.run(command, capture_output=True, text=True, check=True, env=env)
+    facts = json.loads(done.stdout)
+    print(
+        f"{name} {setting or 'default'}: peak {facts['max_memory_allocated']:,} B,"
+        f" reserved {facts['max_memory_reserved']:,} B",
+        flush=True,
+    )
+    return facts
+
+
 def main(argv: list[str]) -> int:
     if argv[:1] == ["--one"]:  # in a process of its own: print the facts as JSON
-        print(json.dumps(record(argv[1], Path(argv[2]))))
+        print(json.dumps(record(argv[1], Path(argv[2]), *argv[3:])))
         return 0
     if not torch.cuda.is_available():
         print("gpu_truth: no CUDA GPU here (torch.cuda.is_available() is False)", file=sys.stderr)
@@ -73,15 +114,13 @@ def main(argv: list[str]) -> int:
         "workloads": {},
     }
     for name in WORKLOADS:
-        one = [sys.executable, __file__, "--one", name, str(out)]
-        done = subprocess.run(one, capture_output=True, text=True, check=True)
-        facts = json.loads(done.stdout)
+        facts = one(name, out)
+        facts["settings"] = {
+            conf: {key: one(name, out, setting)[key] for key in COUNTERS}
+            for setting, conf in SETTINGS.items()
+        }
         found["workloads"][name] = facts  # type: ignore[index]
-        print(
-            f"{name}: peak {facts['max_memory_allocated']:,} B,"
-            f" reserved {facts['max_memory_reserved']:,} B"
-        )
-    (out / "facts.json").write_text(json.dumps(found, indent=1) + "\n")
+        (out / "facts.json").write_text(json.dumps(found, indent=1) + "\n")  # kept if cut short
     print(f"wrote {out}")
     return 0
 

@@ -77,6 +77,19 @@ def _lm(device: str) -> tuple[nn.Module, torch.optim.Optimizer, torch.Tensor, to
     return model, optimizer, tokens, torch.randint(config.vocab, shape, device=device)
 
 
+def _lm_xl(device: str) -> tuple[nn.Module, torch.optim.Optimizer, torch.Tensor, torch.Tensor]:
+    import transformer_lm
+
+    torch.manual_seed(0)
+    config = transformer_lm.XL
+    with torch.device(device):  # 13.6 GB of parameters: made where they live
+        model = transformer_lm.TransformerLM(config)
+    optimizer = transformer_lm.AdamW(model.parameters())
+    shape = (config.batch, config.context)
+    tokens = torch.randint(config.vocab, shape, device=device)
+    return model, optimizer, tokens, torch.randint(config.vocab, shape, device=device)
+
+
 def _lm_fullstep(
     state: tuple[nn.Module, torch.optim.Optimizer, torch.Tensor, torch.Tensor],
 ) -> None:
@@ -120,5 +133,12 @@ WORKLOADS: dict[str, Workload] = {
         "the same model's forward with autograd on, under CUDA autocast to bfloat16",
         _lm,
         _lm_forward_bf16,
+    ),
+    "lm-2.7b-ctx128-fullstep-fp32": Workload(
+        "the ../shared/gpu-truth workload itself: tests/transformer_lm.py at its 2.7B"
+        " configuration (3,406,809,600 parameters), batch 4, context 128, fp32: zero_grad,"
+        " forward, cross-entropy, backward, AdamW's first step",
+        _lm_xl,
+        _lm_fullstep,
     ),
 }

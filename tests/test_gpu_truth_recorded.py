@@ -3,8 +3,11 @@ scripts/gpu_check.sh``): a memory snapshot of each training step of
 :mod:`gpu_workloads`, with the caching allocator's own counters (``facts.json``), checked
 here without a GPU: the snapshot reader's peak is ``max_memory_allocated()``, the
 allocator model replays the trace exactly, and the estimate of the same step is the real
-peak and reserve (or differs by the bytes written here). On a GPU (tests marked
-``cuda``), ``torchmem.record()`` of the step peaks at ``max_memory_allocated()`` too.
+peak and reserve (or differs by the bytes written here). Each step was also recorded under
+other allocator settings (``PYTORCH_CUDA_ALLOC_CONF``: expandable segments,
+``max_split_size_mb``, ``garbage_collection_threshold``), the truth for what-ifs. On a GPU
+(tests marked ``cuda``), ``torchmem.record()`` of the step peaks at
+``max_memory_allocated()`` too.
 """
 
 from __future__ import annotations
@@ -25,16 +28,62 @@ from torchmem.estimator.replay import replay, start_layout
 RECORDED = Path(__file__).resolve().parent / "data" / "gpu_truth" / "recorded"
 FACTS = json.loads((RECORDED / "facts.json").read_text())
 NAMES = sorted(FACTS["workloads"])
-DIFFERENCE = {"lm-small-fullstep-fp32": (-8_192, 0)}
+SETTINGS = {
+    "expandable": "expandable_segments:True",
+    "max-split-64": "max_split_size_mb:64",
+    "gc-0.6": "garbage_collection_threshold:0.6",
+}
+"""``scripts/gpu_truth.py``'s settings: the name in a snapshot's file name, the setting."""
+DIFFERENCE = {
+    "lm-small-fullstep-fp32": (-8_192, 0),
+    "lm-2.7b-ctx128-fullstep-fp32": (3_833_856, -56_623_104),
+}
 """Estimated minus real (peak, reserved) bytes where they are not equal: a backward pass's
-scratch tensors differ between CUDA's kernels and the CPU's."""
+scratch tensors differ between CUDA's kernels and the CPU's (the 2.7B step: 0.007% of the
+peak, 0.09% of the reserve)."""
+NOT_MODELLED = {
+    ("gpt2-2layers-adamw-step", "max-split-64"): "the reader",
+    ("lm-2.7b-ctx128-fullstep-fp32", "max-split-64"): "the reader",
+    ("gpt2-2layers-adamw-step", "max-split-64", "replay"): "the replay",
+    ("gpt2-2layers-adamw-step", "expandable", "replay"): "the replay",
+    ("lm-2.7b-ctx128-fullstep-fp32", "max-split-64", "replay"): "the replay",
+    ("lm-2.7b-ctx128-fullstep-fp32", "expandable", "replay"): "the replay",
+    ("lm-small-fullstep-fp32", "expandable", "replay"): "the replay",
+    ("mlp-adam-step", "expandable", "replay"): "the replay",
+}
+"""Recorded runs under other settings that the reader's block sizes or the allocator
+model's replay do not reproduce yet: neither models ``max_split_size_mb`` (a block over it
+is never split, so it is bigger than its request's rounding) and the replay models
+expandable segments' growth only in part."""
 
 
-def snapshot(name: str, tmp_path: Path) -> tuple[dict[str, Any], Path]:
+def recorded(check: str = "") -> list[Any]:
+    """Every (workload, setting) recorded ("" for the defaults), those `check` does not
+    reproduce yet marked strictly expected to fail."""
+    cases = []
+    for name in NAMES:
+        for setting in ("", *SETTINGS):
+            gap = NOT_MODELLED.get((name, setting, check) if check else (name, setting))
+            marks = (
+                [pytest.mark.xfail(strict=True, reason=f"{gap} ignores {setting}")] if gap else []
+            )
+            cases.append(
+                pytest.param(name, setting, marks=marks, id=f"{name}-{setting or 'default'}")
+            )
+    return cases
+
+
+def facts(name: str, setting: str) -> dict[str, int]:
+    workload = FACTS["workloads"][name]
+    return workload["settings"][SETTINGS[setting]] if setting else workload
+
+
+def snapshot(name: str, tmp_path: Path, setting: str = "") -> tuple[dict[str, Any], Path]:
     """The recorded snapshot's dict (plain data: read with the restricted unpickler) and
     the path of an unzipped copy."""
-    path = tmp_path / f"{name}.pickle"
-    path.write_bytes(gzip.decompress((RECORDED / f"{name}.pickle.gz").read_bytes()))
+    stem = f"{name}.{setting}" if setting else name
+    path = tmp_path / f"{stem}.pickle"
+    path.write_bytes(gzip.decompress((RECORDED / f"{stem}.pickle.gz").read_bytes()))
     with open(path, "rb") as file:
         return torchmem.snapshot._Unpickler(file, str(path)).load(), path
 
@@ -43,22 +92,36 @@ def test_every_workload_was_recorded() -> None:
     assert sorted(WORKLOADS) == NAMES
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_the_snapshot_peak_is_max_memory_allocated(name: str, tmp_path: Path) -> None:
-    facts = FACTS["workloads"][name]
-    device = torchmem.load_snapshot(snapshot(name, tmp_path)[1]).devices[0]
-    assert device.peak_bytes == facts["max_memory_allocated"]
-    assert device.reserved_bytes == facts["memory_reserved_at_end"]
-    assert device.allocated_bytes == facts["memory_allocated_at_end"]
+def test_each_workload_was_recorded_under_each_setting() -> None:
+    for name in NAMES:
+        assert sorted(FACTS["workloads"][name]["settings"]) == sorted(SETTINGS.values())
+        for setting in SETTINGS:
+            assert (RECORDED / f"{name}.{setting}.pickle.gz").is_file()
+    # The setting that matters most on the model of ../shared/gpu-truth: expandable
+    # segments reserve 5.48 GB less for the same step.
+    xl = FACTS["workloads"]["lm-2.7b-ctx128-fullstep-fp32"]
+    expandable = xl["settings"]["expandable_segments:True"]
+    assert xl["max_memory_reserved"] - expandable["max_memory_reserved"] == 5_477_761_024
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_the_allocator_model_replays_the_trace_exactly(name: str, tmp_path: Path) -> None:
-    data = snapshot(name, tmp_path)[0]
+@pytest.mark.parametrize(("name", "setting"), recorded())
+def test_the_snapshot_peak_is_max_memory_allocated(name: str, setting: str, tmp_path: Path) -> None:
+    real = facts(name, setting)
+    device = torchmem.load_snapshot(snapshot(name, tmp_path, setting)[1]).devices[0]
+    assert device.peak_bytes == real["max_memory_allocated"]
+    assert device.reserved_bytes == real["memory_reserved_at_end"]
+    assert device.allocated_bytes == real["memory_allocated_at_end"]
+
+
+@pytest.mark.parametrize(("name", "setting"), recorded("replay"))
+def test_the_allocator_model_replays_the_trace_exactly(
+    name: str, setting: str, tmp_path: Path
+) -> None:
+    data = snapshot(name, tmp_path, setting)[0]
     end, trace = layouts(data), actions(data)
     done = replay(start_layout(end, trace), trace)
     assert (done.mismatches, done.differences) == ((), 0)
-    assert done.allocated_peak == FACTS["workloads"][name]["max_memory_allocated"]
+    assert done.allocated_peak == facts(name, setting)["max_memory_allocated"]
     assert sorted(done.end) == sorted(end)
 
 

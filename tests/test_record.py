@@ -289,7 +289,8 @@ def test_the_report_prints_saves_json_and_html(tmp_path) -> None:
     # The record keeps every site; the text lists three and says how many more.
     sites = data["sites_at_peak"]
     assert len(sites) > 3
-    assert f"... and {len(sites) - 3} more sites" in str(report)
+    more = len(sites) - 3  # how many depends on what ran before ("site" for one)
+    assert f"... and {more} more site{'s' if more > 1 else ''} (" in str(report)
     assert data["devices"]["cpu"]["others_at_peak"]["count"] >= 1
     assert "http" not in (tmp_path / "r.html").read_text()
 
@@ -449,7 +450,7 @@ def test_torch_func_transforms_run_and_ordinary_activations_are_still_seen() -> 
     w, x = torch.randn(8, 4), torch.randn(5, 8)
     plain = (grad(loss)(w, x), vmap(grad(loss), in_dims=(None, 0))(w, x.unsqueeze(1)))
     plain += (jacrev(loss)(w, x), hessian(lambda w: loss(w, x))(w))
-    disable = torch.autograd.graph.disable_saved_tensors_hooks
+    binding = torch._C._autograd._saved_tensors_hooks_disable
     model = nn.Linear(256, 256, bias=False)
     with record() as rec:
         measured = (grad(loss)(w, x), vmap(grad(loss), in_dims=(None, 0))(w, x.unsqueeze(1)))
@@ -461,7 +462,36 @@ def test_torch_func_transforms_run_and_ordinary_activations_are_still_seen() -> 
     assert all(torch.equal(a, b) for a, b in zip(plain, measured, strict=True))
     # relu's output (64 x 256 float32), saved by autograd after the transforms ran.
     assert (None, (64, 256), "torch.float32") in seen
-    assert torch.autograd.graph.disable_saved_tensors_hooks is disable
+    assert torch._C._autograd._saved_tensors_hooks_disable is binding
+    assert saved_hooks_on_this_thread() == []
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_a_torch_func_transform_compiled_whole_inside_a_recording_runs(backend: str) -> None:
+    # Before, Dynamo met our replacement of disable_saved_tensors_hooks, which it could not
+    # trace: fullgraph=True failed where plain Python ran.
+    from torch.func import grad
+
+    def loss(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return ((x @ w) ** 2).sum()
+
+    torch._dynamo.reset()
+    w, x = torch.randn(8, 4), torch.randn(16, 8)
+    compiled = torch.compile(grad(loss), fullgraph=True, backend=backend)
+    with record():
+        found = compiled(w, x)
+    assert torch.allclose(found, 2 * x.T @ (x @ w))
+    assert saved_hooks_on_this_thread() == []
+
+
+def test_the_programs_own_hooks_still_forbid_torch_func_inside_a_recording() -> None:
+    # As in plain Python: only our hooks step aside.
+    from torch.func import grad
+
+    hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
+    refused = pytest.raises(RuntimeError, match="don't yet support saved tensor hooks")
+    with record(), hooks, refused:
+        grad(lambda w: (w * w).sum())(torch.ones(3))
     assert saved_hooks_on_this_thread() == []
 
 
@@ -570,7 +600,7 @@ def process_state() -> dict[str, object]:
     return {
         "global hooks": global_hooks(),
         "saved-tensor hooks": saved_hooks_on_this_thread(),
-        "disable_saved_tensors_hooks": torch.autograd.graph.disable_saved_tensors_hooks,
+        "_saved_tensors_hooks_disable": torch._C._autograd._saved_tensors_hooks_disable,
         "threads": sorted(t.name for t in threading.enumerate() if t.name.startswith("torch")),
         "trace": sys.gettrace(),
     }

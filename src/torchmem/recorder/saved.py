@@ -4,20 +4,21 @@ wherever they are (:func:`remove`), and stepping aside where PyTorch forbids suc
 
 from __future__ import annotations
 
-import contextlib
 import threading
-from collections.abc import Callable, Generator
+from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.autograd.graph
 
 from torchmem._compat import (
+    lookup,
     pop_saved_tensors_hooks,
     push_saved_tensors_hooks,
     saved_tensors_hooks_readable,
     top_saved_tensors_hooks,
 )
+
+_DISABLE = lookup("torch._C._autograd._saved_tensors_hooks_disable")
 
 
 def remove(pack: Callable[..., Any]) -> None:
@@ -40,48 +41,55 @@ def remove(pack: Callable[..., Any]) -> None:
 
 class StepAside:
     """Our saved-tensor hooks step aside where PyTorch forbids such hooks: torch.func's
-    transforms (``grad``, ``vjp``, ``jacrev``, ``hessian``) enter
-    :func:`torch.autograd.graph.disable_saved_tensors_hooks`, which raises while any are
-    installed. While a watcher records, that function is replaced by one that lifts this
-    thread's hooks of ours off the top of its stack, runs PyTorch's, and puts them back;
-    the last watcher to stop puts PyTorch's function back. The activations such a region
-    saves are not marked (they count as other memory)."""
+    transforms (``grad``, ``vjp``, ``jacrev``, ``hessian``) disable saved-tensor hooks
+    (:func:`torch.autograd.graph.disable_saved_tensors_hooks`), which raises while any are
+    on the thread's stack. While a watcher records, the binding that function calls,
+    ``torch._C._autograd._saved_tensors_hooks_disable``, is wrapped: where every hook on the
+    stack is ours, it disables them without raising (PyTorch's own ``fail_if_non_empty=False``,
+    as its compiled autograd does), so the hooks are not called inside the region and
+    come back at its end; where the program's own hooks are there, it raises as PyTorch
+    does. The public function is untouched, so ``torch.compile`` still recognises it
+    (``fullgraph=True`` of a transform compiled inside a recording). The last watcher to
+    stop puts the binding back. The activations such a region saves are not marked (they
+    count as other memory)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._packs: set[Callable[..., Any]] = set()
-        self._original: Callable[[str], contextlib.AbstractContextManager[None]] | None = None
+        self._original: Callable[..., None] | None = None
 
     def watch(self, pack: Callable[..., Any]) -> None:
         with self._lock:
-            if not self._packs:
-                self._original = torch.autograd.graph.disable_saved_tensors_hooks
-                torch.autograd.graph.disable_saved_tensors_hooks = self._disable
+            if not self._packs and _DISABLE is not None:
+                self._original = torch._C._autograd._saved_tensors_hooks_disable
+                torch._C._autograd._saved_tensors_hooks_disable = self._disable
             self._packs.add(pack)
 
     def forget(self, pack: Callable[..., Any]) -> None:
         with self._lock:
             self._packs.discard(pack)
             if not self._packs and self._original is not None:
-                torch.autograd.graph.disable_saved_tensors_hooks = self._original  # type: ignore[assignment]
+                torch._C._autograd._saved_tensors_hooks_disable = self._original
                 self._original = None
 
-    @contextlib.contextmanager
-    def _disable(self, error_message: str) -> Generator[None, None, None]:
-        lifted = []
-        while (top := top_saved_tensors_hooks()) and top[0] in self._packs:
+    def _disable(self, message: str, fail_if_non_empty: bool = True) -> None:
+        # _DISABLE where the last watcher stopped after the caller looked the binding up.
+        original = self._original or _DISABLE
+        assert original is not None  # installed only where the binding exists
+        original(message, fail_if_non_empty and not self._only_ours())
+
+    def _only_ours(self) -> bool:
+        """Whether every hook on this thread's stack is ours (none is too). Where this
+        PyTorch cannot read the stack, False: PyTorch's own check decides."""
+        if not saved_tensors_hooks_readable():
+            return False
+        found = []
+        while (top := top_saved_tensors_hooks()) is not None:
             pop_saved_tensors_hooks()
-            lifted.append(top)
-        original = self._original
-        try:
-            if original is None:  # the last watcher stopped in between (another thread)
-                yield
-            else:
-                with original(error_message):
-                    yield
-        finally:
-            for pack, unpack in reversed(lifted):
-                push_saved_tensors_hooks(pack, unpack)
+            found.append(top)
+        for pack, unpack in reversed(found):
+            push_saved_tensors_hooks(pack, unpack)
+        return all(pack in self._packs for pack, _ in found)
 
 
 step_aside = StepAside()

@@ -114,65 +114,98 @@ class Tally:
         if not n:
             return
         kind = rows[:, KIND]
-        size = rows[:, SIZE]
         alloc = kind == ALLOC
         free = kind == FREE
-        delta = np.where(alloc | free, size, 0)
-        cur = self.current + np.cumsum(delta)
+        changing = alloc | free
+        cur = self.current + np.cumsum(np.where(changing, rows[:, SIZE], 0))
         j = int(np.argmax(cur))
         rises = bool(cur[j] > self.peak)
-
-        # An allocation freed in these same rows needs no record unless it was alive at a
-        # new peak: it is counted in `cur` already (most of a run of tiny allocations).
         frees = np.flatnonzero(free)
         refs = rows[frees, REF]
+        passing, matched = self._passing(alloc, frees, refs, j if rises else None)
+        made = np.flatnonzero((alloc & ~passing) | (kind == ADOPT))
+        marks = np.flatnonzero(kind == MARK)
+        table = self.live.concat(self._arrivals(rows, alloc, made, marks))
+        if len(marks):
+            self._mark(table, rows[marks, REF], rows[marks, SITE])
+            if len(self.at_peak):
+                self._mark(self.at_peak, rows[marks, REF], rows[marks, SITE])
+        died = np.full(len(table), _NEVER, np.int64)
+        looked = np.flatnonzero(~matched)
+        at, found = table.find(refs[looked])
+        died[at[found]] = self.seq + frees[looked[found]]
+        lost = frees[looked[~found]]  # frees of storages alive from before the start
+        unmatched = np.zeros(n, np.int64)
+        unmatched[lost] = rows[lost, SIZE]
+        hidden = self.hidden + np.cumsum(unmatched)
+        self._probes(rows, kind, cur, table)
+        self._queue_engine(rows, alloc, made)
+        if rises:
+            self.peak = int(cur[j])
+            self.peak_seq = self.seq + j
+            self.peak_time = int(rows[j, TIME])
+            self.at_peak = table.take((table.born <= self.peak_seq) & (died > self.peak_seq))
+            self.hidden_at_peak = int(hidden[j])
+        self.live = table.take(died == _NEVER)
+        self.current = int(cur[-1])
+        self.hidden = int(hidden[-1])
+        self.seq += n
+        self._timeline(rows[:, TIME], cur)
+        self._name_engine()
+        # A copy, not a view of the rows: `recent` keeps it.
+        changes = rows.copy() if bool(changing.all()) else rows.take(np.flatnonzero(changing), 0)
+        self.events += len(changes)
+        self._keep_recent(changes)
+
+    def _passing(
+        self, alloc: np.ndarray, frees: np.ndarray, refs: np.ndarray, peak: int | None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The allocations of a chunk freed in it too, which need no record unless alive at a
+        new peak (row `peak`): they are counted in the use already (most of a run of tiny
+        allocations). Returns them (a mask of the rows) and the frees that name them (a mask
+        of `frees`, whose rows' :data:`REF` are `refs`)."""
+        n = len(alloc)
         place = refs - self.seq  # where the allocation each free names is in these rows
         inside = np.flatnonzero((place >= 0) & (place < n))
         born, gone = place[inside], frees[inside]
         short = alloc[born]
-        if rises:
-            short &= (born > j) | (gone <= j)
+        if peak is not None:
+            short &= (born > peak) | (gone <= peak)
         passing = np.zeros(n, bool)
         passing[born[short]] = True
         matched = np.zeros(len(frees), bool)
         matched[inside[short]] = True
+        return passing, matched
 
-        adopt = kind == ADOPT
-        made = np.flatnonzero((alloc & ~passing) | adopt)
-        count = len(made)
-        new = Table(
+    def _arrivals(
+        self, rows: np.ndarray, alloc: np.ndarray, made: np.ndarray, marks: np.ndarray
+    ) -> Table:
+        """Records of the storages rows `made` allocate or adopt, and of those made before
+        the start that rows `marks` name first. Those alive since before the start are
+        alive at the peak too, and no longer hidden."""
+        new = _records(
+            rows,
+            made,
             key=self.seq + made,
             born=np.where(alloc[made], self.seq + made, -1),
-            ptr=rows[made, PTR],
-            size=size[made],
             site=np.where(alloc[made], rows[made, SITE], BEFORE_SITE),
-            time=rows[made, TIME],
-            cat=np.full(count, 4, np.int64),
-            name=np.full(count, UNNAMED, np.int64),
-            owner=np.full(count, -1, np.int64),
         )
         # A storage made before the start, named by a mark only (this tally started inside
         # another, which saw it made): known from its mark's size.
-        marks = np.flatnonzero(kind == MARK)
         earlier = marks[(rows[marks, REF] >= 0) & (rows[marks, REF] < self.first)]
         if len(earlier):
             earlier = earlier[~self.live.find(rows[earlier, REF])[1]]
             earlier = earlier[np.unique(rows[earlier, REF], return_index=True)[1]]
         if len(earlier):
             new = new.concat(
-                Table(
+                _records(
+                    rows,
+                    earlier,
                     key=rows[earlier, REF],
                     born=np.full(len(earlier), -1, np.int64),
-                    ptr=rows[earlier, PTR],
-                    size=size[earlier],
                     site=np.full(len(earlier), BEFORE_SITE, np.int64),
-                    time=rows[earlier, TIME],
-                    cat=np.full(len(earlier), 4, np.int64),
-                    name=np.full(len(earlier), UNNAMED, np.int64),
-                    owner=np.full(len(earlier), -1, np.int64),
                 )
             )
-        table = self.live.concat(new)
         before = new.take(new.born < 0)
         if len(before):
             # Alive since before the start, and now: at the peak too, and never hidden.
@@ -180,45 +213,14 @@ class Tally:
             self.hidden -= known
             self.hidden_at_peak -= known
             self.at_peak = self.at_peak.concat(before)
+        return new
 
-        if len(marks):
-            self._mark(table, rows[marks, REF], rows[marks, SITE])
-            if len(self.at_peak):
-                self._mark(self.at_peak, rows[marks, REF], rows[marks, SITE])
-
-        died = np.full(len(table), _NEVER, np.int64)
-        looked = np.flatnonzero(~matched)
-        at, found = table.find(refs[looked])
-        died[at[found]] = self.seq + frees[looked[found]]
-        lost = frees[looked[~found]]
-        unmatched = np.zeros(n, np.int64)
-        unmatched[lost] = size[lost]
-        hidden = self.hidden + np.cumsum(unmatched)
-
-        self._probes(rows, kind, cur, table)
+    def _queue_engine(self, rows: np.ndarray, alloc: np.ndarray, made: np.ndarray) -> None:
+        """Hold the engine's allocations among rows `made` until they can be named."""
         engine = made[alloc[made] & np.isin(rows[made, SITE], np.fromiter(self.engine, np.int64))]
         if len(engine):
             self._pending = np.concatenate([self._pending, self.seq + engine])
             self._pending_time = np.concatenate([self._pending_time, rows[engine, TIME]])
-
-        if rises:
-            self.peak = int(cur[j])
-            self.peak_seq = self.seq + j
-            self.peak_time = int(rows[j, TIME])
-            self.at_peak = table.take((table.born <= self.peak_seq) & (died > self.peak_seq))
-            self.hidden_at_peak = int(hidden[j])
-
-        self.live = table.take(died == _NEVER)
-        self.current = int(cur[-1])
-        self.hidden = int(hidden[-1])
-        self.seq += n
-        self._timeline(rows[:, TIME], cur)
-        self._name_engine()
-        changing = alloc | free
-        # A copy, not a view of the rows: `recent` keeps it.
-        changes = rows.copy() if bool(changing.all()) else rows.take(np.flatnonzero(changing), 0)
-        self.events += len(changes)
-        self._keep_recent(changes)
 
     def _mark(self, table: Table, refs: np.ndarray, payloads: np.ndarray) -> None:
         """Give each record named by `refs` the first mark of its lowest category, unless
@@ -294,33 +296,10 @@ class Tally:
         last = when[hits][::-1][first]
         closing = op == CLOSE
         closed = number[closing]
-
-        def lookup(keys: np.ndarray, table: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-            j = np.minimum(np.searchsorted(table, keys), max(len(table) - 1, 0))
-            return j, (table[j] == keys) if len(table) else np.zeros(len(keys), bool)
-
         ended = closing & ((ref & 1) == 1)
         if ended.any():
-            keys = number[ended]
-            j, here = lookup(keys, numbers)
-            begin = np.where(here, began[j] if len(began) else 0, -1)
-            k, seen = lookup(keys, hit)
-            final = np.where(seen, last[k] if len(last) else -1, -1)
-            for i in np.flatnonzero(~here).tolist():  # opened before these rows
-                probe = self._open.get(int(keys[i]))
-                if probe is not None:
-                    begin[i] = probe[_BEGIN]
-                    if final[i] < 0:
-                        final[i] = probe[_LAST]
-            done = (begin >= 0) & (final >= 0)
-            self._spans.extend(
-                zip(
-                    begin[done].tolist(),
-                    final[done].tolist(),
-                    (ref[ended][done] >> 1).tolist(),
-                    module[ended][done].tolist(),
-                    strict=True,
-                )
+            self._end_spans(
+                number[ended], ref[ended] >> 1, module[ended], numbers, began, hit, last
             )
         gone = set(closed.tolist())
         hit_at = dict(zip(hit.tolist(), last.tolist(), strict=True))
@@ -339,6 +318,40 @@ class Tally:
             strict=True,
         ):
             self._open[key] = [owner, r >> 1, r & 1, t, int(cur[place]), hit_at.get(key, -1), place]
+
+    def _end_spans(
+        self,
+        keys: np.ndarray,
+        depth: np.ndarray,
+        owner: np.ndarray,
+        numbers: np.ndarray,
+        began: np.ndarray,
+        hit: np.ndarray,
+        last: np.ndarray,
+    ) -> None:
+        """Keep the spans of the backward passes that closed (probes `keys`, of `depth` and
+        module `owner`): from their opening (here, probes `numbers` at times `began`; or
+        before) to their last hit (here, probes `hit` at times `last`; or before)."""
+        j, here = _lookup(keys, numbers)
+        begin = np.where(here, began[j] if len(began) else 0, -1)
+        k, seen = _lookup(keys, hit)
+        final = np.where(seen, last[k] if len(last) else -1, -1)
+        for i in np.flatnonzero(~here).tolist():  # opened before these rows
+            probe = self._open.get(int(keys[i]))
+            if probe is not None:
+                begin[i] = probe[_BEGIN]
+                if final[i] < 0:
+                    final[i] = probe[_LAST]
+        done = (begin >= 0) & (final >= 0)
+        self._spans.extend(
+            zip(
+                begin[done].tolist(),
+                final[done].tolist(),
+                depth[done].tolist(),
+                owner[done].tolist(),
+                strict=True,
+            )
+        )
 
     def _name_engine(self) -> None:
         """Name the engine's allocations whose backward passes are all over: after the
@@ -438,6 +451,20 @@ class Tally:
         if not self.recent:
             return np.empty((0, COLUMNS), np.int64)
         return np.concatenate(self.recent)
+
+
+def _records(
+    rows: np.ndarray, at: np.ndarray, key: np.ndarray, born: np.ndarray, site: np.ndarray
+) -> Table:
+    """Records of the storages of rows `at`, unmarked (category 4: other) and unowned."""
+    unset = (np.full(len(at), value, np.int64) for value in (4, UNNAMED, -1))
+    return Table(key, born, rows[at, PTR], rows[at, SIZE], site, rows[at, TIME], *unset)
+
+
+def _lookup(keys: np.ndarray, table: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Positions of `keys` in the sorted array `table`, and which were found."""
+    j = np.minimum(np.searchsorted(table, keys), max(len(table) - 1, 0))
+    return j, (table[j] == keys) if len(table) else np.zeros(len(keys), bool)
 
 
 def _range_max(values: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:

@@ -310,7 +310,7 @@ class _Found:
         """A record per tensor that holds elements, on `wanted` (None: every device),
         grouped by device (first seen first) as the report prints them."""
         owners: dict[int, int] = {}  # storage -> the record counted for it
-        records: list[TensorRecord] = []  # name and owner finished once all are made
+        found: list[dict[str, Any]] = []  # each record's fields; name and owner finished last
         kept: dict[str, list[int]] = {}  # device -> its records on `wanted`, in order
         texts: dict[object, str] = {}  # str() of each dtype and layout seen
         devices: dict[torch.device, tuple[str, str]] = {}  # device -> (str, type): slow
@@ -322,42 +322,18 @@ class _Found:
             text, kind = devices.get(device) or devices.setdefault(
                 device, (str(device), device.type)
             )
-            nbytes, owner, note = 0, None, None
-            storages: list[tuple[int, int]] | None = None
-            if _plain(tensor):  # nearly every tensor: one storage, sizes straight off it
-                numel = tensor.numel()
-                if numel == 0:
-                    continue
-                try:
-                    storage = tensor.untyped_storage()
-                except Exception:  # a functorch wrapper (vmap, grad): said below
-                    pass
-                else:
-                    storages = [(storage_key(storage), storage.nbytes())]
-                    shape: tuple[int | str, ...] | None = tuple(tensor.shape)
-            if storages is None:
-                try:
-                    if tensor.numel() == 0:
-                        continue
-                except Exception:  # no element count: size it anyway
-                    pass
-                numel, shape = 0, _shape(tensor)
-                try:
-                    storages = list(_storages(tensor))
-                    numel = _numel(tensor)
-                except _Unsized as exc:
-                    storages, note = [], str(exc)
-                except Exception as exc:  # a part that cannot be read: count none of it
-                    storages, note = [], f"unreadable: {_first_line(exc)}"
-            shared = []
+            sized = _sized(tensor)
+            if sized is None:
+                continue
+            numel, shape, storages, note = sized
+            nbytes, shared = 0, []
             for key, size in storages:
                 if key in owners:
                     shared.append(owners[key])
                     continue
-                owners[key] = len(records)
+                owners[key] = len(found)
                 nbytes += _bytes(size, kind)
-            if shared and len(shared) == len(storages):
-                owner = shared[0]
+            owner = shared[0] if shared and len(shared) == len(storages) else None
             dtype: object
             layout: object
             try:
@@ -365,47 +341,80 @@ class _Found:
             except Exception:  # a subclass's own property that raises
                 dtype = layout = "?"
             if wanted is None or _matches(device, wanted):
-                (kept.get(text) or kept.setdefault(text, [])).append(len(records))
-            records.append(
-                _record(
-                    name=self.names[id(tensor)],
-                    device=text,
-                    shape=shape,
-                    dtype=texts.get(dtype) or texts.setdefault(dtype, str(dtype)),
-                    layout=texts.get(layout) or texts.setdefault(layout, str(layout)),
-                    kind=type(tensor).__name__,
-                    numel=numel,
-                    nbytes=nbytes,
-                    owner=owner,  # an index in records, until finished
-                    note=note,
-                    tensor=_weak(tensor),
-                )
+                (kept.get(text) or kept.setdefault(text, [])).append(len(found))
+            found.append(
+                {
+                    "name": self.names[id(tensor)],
+                    "device": text,
+                    "shape": shape,
+                    "dtype": texts.get(dtype) or texts.setdefault(dtype, str(dtype)),
+                    "layout": texts.get(layout) or texts.setdefault(layout, str(layout)),
+                    "kind": type(tensor).__name__,
+                    "numel": numel,
+                    "nbytes": nbytes,
+                    "owner": owner,  # an index in found, until finished
+                    "note": note,
+                    "tensor": _weak(tensor),
+                }
             )
-        order = [i for group in kept.values() for i in group]
-        # Number generated names in the order printed: first the records always printed,
-        # then those sharing a storage listed before them (verbose only): no gaps in either.
-        counter = 0
-        for i in sorted(order, key=lambda i: records[i].owner is not None):
-            fields = records[i].__dict__  # finishing the record: see _record
-            if fields["name"] is None:
-                fields["name"], counter = f"{fields['kind']}{counter}", counter + 1
-            else:
-                prefix, slot, suffix = fields["name"]
-                if slot is not None and not slot.text:
-                    slot.text, counter = f"{slot.kind}{counter}", counter + 1
-                fields["name"] = prefix + suffix if slot is None else prefix + slot.text + suffix
-            if fields["owner"] is not None:
-                fields["owner"] = records[fields["owner"]].name
-        return [records[i] for i in order]
+        return _finish(found, [i for group in kept.values() for i in group])
 
 
-def _record(**fields: Any) -> TensorRecord:
-    """A :class:`TensorRecord` of `fields`, which must name every field: the frozen
-    dataclass's ``__init__`` sets each through ``object.__setattr__``, 3.8 µs a record
-    against 0.7 µs here, a fifth of a report of many small tensors."""
-    record = object.__new__(TensorRecord)
-    record.__dict__.update(fields)
-    return record
+def _sized(
+    tensor: torch.Tensor,
+) -> tuple[int, tuple[int | str, ...] | None, list[tuple[int, int]], str | None] | None:
+    """`tensor`'s elements, shape, storages (``(storage identity, bytes)`` each) and why
+    it could not be sized (None: it was); None for a tensor without elements."""
+    if _plain(tensor):  # nearly every tensor: one storage, sizes straight off it
+        numel = tensor.numel()
+        if numel == 0:
+            return None
+        try:
+            storage = tensor.untyped_storage()
+        except Exception:  # a functorch wrapper (vmap, grad): said below
+            pass
+        else:
+            storages = [(storage_key(storage), storage.nbytes())]
+            return numel, tuple(tensor.shape), storages, None
+    try:
+        if tensor.numel() == 0:
+            return None
+    except Exception:  # no element count: size it anyway
+        pass
+    numel, shape, note = 0, _shape(tensor), None
+    try:
+        storages = list(_storages(tensor))
+        numel = _numel(tensor)
+    except _Unsized as exc:
+        storages, note = [], str(exc)
+    except Exception as exc:  # a part that cannot be read: count none of it
+        storages, note = [], f"unreadable: {_first_line(exc)}"
+    return numel, shape, storages, note
+
+
+def _finish(found: list[dict[str, Any]], order: list[int]) -> list[TensorRecord]:
+    """The records of the fields `found` at `order`, each named, and its owner by name.
+    Generated names are numbered in the order printed: first the records always printed,
+    then those sharing a storage listed before them (verbose only): no gaps in either."""
+    counter = 0
+    for i in sorted(order, key=lambda i: found[i]["owner"] is not None):
+        fields = found[i]
+        if fields["name"] is None:
+            fields["name"], counter = f"{fields['kind']}{counter}", counter + 1
+        else:
+            prefix, slot, suffix = fields["name"]
+            if slot is not None and not slot.text:
+                slot.text, counter = f"{slot.kind}{counter}", counter + 1
+            fields["name"] = prefix + suffix if slot is None else prefix + slot.text + suffix
+        if fields["owner"] is not None:
+            fields["owner"] = found[fields["owner"]]["name"]
+    # Each record made whole at once, not through the frozen dataclass's __init__, which sets
+    # each field through object.__setattr__: 3.8 µs a record against 0.7 µs here, a fifth of
+    # a report of many small tensors.
+    records = [object.__new__(TensorRecord) for _ in order]
+    for record, i in zip(records, order, strict=True):
+        record.__dict__.update(found[i])
+    return records
 
 
 def _plain(tensor: torch.Tensor) -> bool:

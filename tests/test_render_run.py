@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from torchmem.records.run import CATEGORIES, DeviceRun, Held, ModulePeak, RunRecord, Site
-from torchmem.render import run as render
+from torchmem.render import chart, run as render
 from torchmem.units import readable_size
 
 M = 2**20
@@ -247,7 +247,7 @@ def points(root: ET.Element) -> list[tuple[float, float]]:
 
 
 def test_svg_is_a_step_chart_with_the_peak_marked() -> None:
-    root = parse_svg(render.svg(CPU))
+    root = parse_svg(chart.timeline(CPU))
     assert root.attrib["width"] == "720" and root.attrib["height"] == "180"
     labels = texts(root)
     assert "peak 300.00M at 2.41s" in labels
@@ -261,7 +261,7 @@ def test_svg_is_a_step_chart_with_the_peak_marked() -> None:
 
 
 def test_svg_axis_labels_are_readable_sizes_and_seconds() -> None:
-    labels = texts(parse_svg(render.svg(CPU)))
+    labels = texts(parse_svg(chart.timeline(CPU)))
     sizes = [label for label in labels if re.fullmatch(r"\d+\.\d\d[BKMGTP]", label)]
     assert sizes == ["0.00B", "100.00M", "200.00M", "300.00M", "400.00M"]
     assert 3 <= len(sizes) <= 5
@@ -277,7 +277,7 @@ def test_svg_axis_labels_are_readable_sizes_and_seconds() -> None:
 @pytest.mark.parametrize("peak", [0, 1, 3, 1000, 1023, 1025, 5 * 2**30, 3 * 2**50])
 def test_svg_has_three_to_five_size_ticks_covering_the_peak(peak: int) -> None:
     run = DeviceRun("cpu", 0, peak, 1.0, 0, ((1.0, peak),))
-    labels = texts(parse_svg(render.svg(run)))
+    labels = texts(parse_svg(chart.timeline(run)))
     sizes = [label for label in labels if re.fullmatch(r"-?\d+\.\d\d[BKMGTP]", label)]
     assert 3 <= len(sizes) <= 5
     assert sizes[0] == "0.00B"
@@ -286,19 +286,19 @@ def test_svg_has_three_to_five_size_ticks_covering_the_peak(peak: int) -> None:
 
 def test_svg_of_an_empty_timeline_and_of_one_point() -> None:
     empty = DeviceRun("cuda:1", 0, 5 * M, 0.0, 0, ())
-    root = parse_svg(render.svg(empty, width=300, height=100))
+    root = parse_svg(chart.timeline(empty, width=300, height=100))
     assert list(root.iter(f"{SVG}polyline")) == []
     assert "No timeline was recorded; peak 5.00M at 0.00s" in texts(root)
 
     single = DeviceRun("cpu", 0, 5 * M, 0.0, 0, ((0.0, 5 * M),))
-    root = parse_svg(render.svg(single))
+    root = parse_svg(chart.timeline(single))
     assert len(points(root)) == 2
     assert "peak 5.00M at 0.00s" in texts(root)
 
 
 def test_svg_escapes_the_device_name() -> None:
     run = DeviceRun('<&"dev">', 0, 1, 0.5, 0, ((0.5, 1),))
-    assert texts(parse_svg(render.svg(run)))[0] == '<&"dev">: highest bytes in use per interval'
+    assert texts(parse_svg(chart.timeline(run)))[0] == '<&"dev">: highest bytes in use per interval'
 
 
 # -- HTML ------------------------------------------------------------------------------------

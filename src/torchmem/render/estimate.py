@@ -8,7 +8,9 @@ from typing import Any
 from torchmem.errors import require
 from torchmem.records.estimate import EstimateRecord
 from torchmem.records.run import CATEGORIES
-from torchmem.render.run import STYLE, details_html, details_text, svg
+from torchmem.render import chart
+from torchmem.render.kit import page as page_of
+from torchmem.render.run import details_html, details_text
 from torchmem.render.text import table
 from torchmem.units import readable_size
 
@@ -63,7 +65,7 @@ def html(record: EstimateRecord, top: int = 10) -> str:
     parts = [
         f"<h3>{markup.escape(_headline(record))}</h3>",
         f"<table><thead><tr>{cells}</tr></thead><tbody><tr>{row}</tr></tbody></table>",
-        f'<div class="torchmem-charts">{svg(record.run)}</div>',
+        f'<div class="torchmem-charts">{chart.timeline(record.run, inline=True)}</div>',
         details_html(record.run, record.modules, top),
     ]
     for title, items in _lists(record):
@@ -75,12 +77,7 @@ def html(record: EstimateRecord, top: int = 10) -> str:
 def page(record: EstimateRecord, top: int = 10) -> str:
     """A complete HTML document of :func:`html` that opens offline (no scripts, fonts or
     links to fetch)."""
-    return (
-        "<!DOCTYPE html>\n"
-        '<html lang="en">\n<head>\n<meta charset="utf-8"/>\n'
-        f"<title>{markup.escape(_headline(record))}</title>\n<style>\n{STYLE}</style>\n"
-        f"</head>\n<body>\n{html(record, top)}\n</body>\n</html>\n"
-    )
+    return page_of(_headline(record), html(record, top))
 
 
 def dataframe(record: EstimateRecord) -> Any:

@@ -6,14 +6,15 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from torchmem.records.limits import Elsewhere, Origin, Usage, Verdict
-from torchmem.render.run import SAMPLED, details_text
+from torchmem.render.kit import SAMPLED, size
+from torchmem.render.run import details_text
 from torchmem.render.tensors import diff_text
 from torchmem.render.text import table
 from torchmem.units import readable_size
 
 
-def _size(size: int, exact: bool = True) -> str:
-    return readable_size(size) if exact else SAMPLED + readable_size(size)
+def _size(nbytes: int, exact: bool = True) -> str:
+    return size(nbytes, mark="" if exact else SAMPLED)
 
 
 def failure(verdict: Verdict) -> str:

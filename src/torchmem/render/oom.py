@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from torchmem.records.oom import Hint, OOMRecord
+from torchmem.render.kit import size
 from torchmem.render.tensors import rows, size_text
 from torchmem.units import readable_size
 
@@ -37,26 +38,23 @@ def text(report: OOMRecord) -> str:
 
 def hint_text(hint: Hint, report: OOMRecord) -> str:
     """One hint as advice, with the figures of `report` it rests on."""
+    held = size(hint.nbytes, missing="?")
     if hint.kind == "request_too_large":
         return (
-            f"The request alone ({_size(hint.nbytes)}) is larger than the whole device"
-            f" ({_size(report.total)}): a shape is probably wrong, or this work must be"
-            " split (smaller batch, chunks)."
+            f"The request alone ({held}) is larger than the whole device"
+            f" ({size(report.total, missing='?')}): a shape is probably wrong, or this work"
+            " must be split (smaller batch, chunks)."
         )
     if hint.kind == "fragmentation":
         return (
-            f"{_size(hint.nbytes)} is reserved but unallocated (fragmentation): set"
+            f"{held} is reserved but unallocated (fragmentation): set"
             " PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True before starting Python."
         )
     if hint.kind == "autograd_history":
         return (
-            f"{_size(hint.nbytes)} is in tensors with autograd history. Evaluating? Run"
+            f"{held} is in tensors with autograd history. Evaluating? Run"
             " it under torch.no_grad() (or torch.inference_mode()). Training? Activation"
             " checkpointing (torch.utils.checkpoint) or mixed precision (torch.autocast)"
             " keeps less for backward."
         )
     return "Use a smaller batch size."
-
-
-def _size(nbytes: int | None) -> str:
-    return "?" if nbytes is None else readable_size(nbytes)

@@ -17,7 +17,15 @@ from torchmem.errors import require
 from torchmem.records.ranks import Imbalance, RankRun, RanksRecord
 from torchmem.records.run import CATEGORIES, DeviceRun
 from torchmem.render import run as single
-from torchmem.render.run import MISSING, SAMPLED, Section, section_html, section_text
+from torchmem.render.kit import (
+    MISSING,
+    SAMPLED,
+    Section,
+    page as page_of,
+    section_html,
+    section_text,
+    size,
+)
 from torchmem.units import readable_size
 
 TITLE = "torchmem: memory per rank"
@@ -61,10 +69,6 @@ def _rows(run: RankRun) -> list[tuple[str, DeviceRun | None]]:
     return shown + [(name, None) for name in run.gpu_process_bytes if name not in names]
 
 
-def _size(size: int | None, mark: str = "") -> str:
-    return MISSING if size is None else mark + readable_size(size)
-
-
 def _table(record: RanksRecord) -> Section:
     rows_of = [(run, name, device) for run in record.ranks for name, device in _rows(run)]
     recorded = [device for _, _, device in rows_of if device is not None]
@@ -82,11 +86,11 @@ def _table(record: RanksRecord) -> Section:
         if device is None:  # peak, reserved peak, end, most at the peak: not recorded
             row += (MISSING,) * (4 if reserved else 3)
         else:
-            row += (_size(device.peak_bytes, "" if device.exact else SAMPLED),)
-            row += (_size(device.reserved_peak_bytes),) if reserved else ()
+            row += (size(device.peak_bytes, mark="" if device.exact else SAMPLED),)
+            row += (size(device.reserved_peak_bytes),) if reserved else ()
             row += (readable_size(device.end_bytes), _most(device))
         if nvml:
-            row += (_size(run.gpu_process_bytes.get(name)),)
+            row += (size(run.gpu_process_bytes.get(name)),)
         row += (
             MISSING if ram is None or ram is device else readable_size(ram.peak_bytes),
             MISSING if run.report.exit_code is None else str(run.report.exit_code),
@@ -226,13 +230,7 @@ def html(record: RanksRecord, top: int = 10) -> str:
 def page(record: RanksRecord, top: int = 10) -> str:
     """A complete HTML document of :func:`html` that opens offline (no scripts, fonts,
     images or links to fetch)."""
-    return (
-        "<!DOCTYPE html>\n"
-        '<html lang="en">\n<head>\n<meta charset="utf-8"/>\n'
-        '<meta name="viewport" content="width=device-width, initial-scale=1"/>\n'
-        f"<title>{markup.escape(TITLE)}</title>\n<style>\n{single.STYLE}</style>\n</head>\n"
-        f"<body>\n{html(record, top)}\n</body>\n</html>\n"
-    )
+    return page_of(TITLE, html(record, top))
 
 
 def dataframe(record: RanksRecord) -> Any:

@@ -22,7 +22,16 @@ from torchmem.records.snapshot import (
     SnapshotDiffRecord,
     SnapshotRecord,
 )
-from torchmem.render.run import MISSING, STYLE, Section, section_html, section_text, svg
+from torchmem.render import chart
+from torchmem.render.kit import (
+    Section,
+    more,
+    page as page_of,
+    seconds,
+    section_html,
+    section_text,
+    size,
+)
 from torchmem.render.text import encodable
 from torchmem.units import readable_size
 
@@ -36,24 +45,12 @@ def _headline(record: SnapshotRecord) -> str:
     return f"{TITLE} of {record.source}" if record.source else TITLE
 
 
-def _size(size: int | None) -> str:
-    return MISSING if size is None else readable_size(size)
-
-
-def _seconds(value: float | None) -> str:
-    return MISSING if value is None else f"{value:.2f}s"
-
-
 def _when(device: DeviceSnapshot) -> str:
     """When the peak was: seconds into the trace, or where the trace has no times its entry
     (``entry 3,697 of 10,307``)."""
     if device.timed or device.peak_entry is None:
-        return _seconds(device.peak_time)
+        return seconds(device.peak_time)
     return f"entry {device.peak_entry:,} of {device.entries:,}"
-
-
-def _more(count: int, what: str) -> str:
-    return f"... and {count} more {what}{'' if count == 1 else 's'}" if count > 0 else ""
 
 
 def _devices(record: SnapshotRecord) -> Section:
@@ -63,7 +60,7 @@ def _devices(record: SnapshotRecord) -> Section:
             readable_size(d.allocated_bytes),
             readable_size(d.active_bytes),
             readable_size(d.reserved_bytes),
-            _size(d.peak_bytes),
+            size(d.peak_bytes),
             _when(d),
         )
         for d in record.devices.values()
@@ -90,7 +87,7 @@ def _sites(device: DeviceSnapshot, top: int) -> Section | None:
         f"Allocation sites {when} on {device.name}:",
         rows,
         left=(1, 2),
-        more=_more(len(sites) - top, "site"),
+        more=more(len(sites) - top, "site"),
         stacks=[s.stack for s in sites[:top]],
     )
 
@@ -114,7 +111,7 @@ def _segments(device: DeviceSnapshot, top: int) -> Section | None:
         rows,
         left=(0,),
         header=("address", "size", "active", "free", "largest free", "blocks"),
-        more=_more(len(device.segments) - top, "segment"),
+        more=more(len(device.segments) - top, "segment"),
     )
 
 
@@ -125,7 +122,7 @@ def _oom(device: DeviceSnapshot) -> str | None:
     free = ""
     if oom.device_free_bytes is not None:
         free = f"; the device had {readable_size(oom.device_free_bytes)} free"
-    when = _seconds(oom.time) if device.timed else f"entry {oom.entry:,} of {device.entries:,}"
+    when = seconds(oom.time) if device.timed else f"entry {oom.entry:,} of {device.entries:,}"
     return (
         f"Out of memory on {device.name} at {when}: asked for"
         f" {readable_size(oom.requested_bytes)}; the largest free block was"
@@ -177,7 +174,9 @@ def _timeline_svg(device: DeviceSnapshot) -> str:
         device.active_bytes,
         device.timeline,
     )
-    return svg(run, inline=True)  # inside a page: no namespace, so the page names no address
+    return chart.timeline(
+        run, inline=True
+    )  # inside a page: no namespace, so the page names no address
 
 
 def segment_map(device: DeviceSnapshot, top: int = 10, width: int = 720) -> str:
@@ -244,13 +243,7 @@ def html(record: SnapshotRecord, top: int = 10) -> str:
 def page(record: SnapshotRecord, top: int = 10) -> str:
     """A complete HTML document of :func:`html`: one file that opens offline, with an
     inline style sheet and no scripts, fonts, images or links to fetch."""
-    return encodable(
-        "<!DOCTYPE html>\n"
-        '<html lang="en">\n<head>\n<meta charset="utf-8"/>\n'
-        '<meta name="viewport" content="width=device-width, initial-scale=1"/>\n'
-        f"<title>{markup.escape(_headline(record))}</title>\n<style>\n{STYLE}</style>\n"
-        f"</head>\n<body>\n{html(record, top)}\n</body>\n</html>\n"
-    )
+    return page_of(_headline(record), html(record, top))
 
 
 def dataframe(record: SnapshotRecord) -> Any:
@@ -315,8 +308,8 @@ def diff_text(diff: SnapshotDiffRecord, top: int = 10) -> str:
             )
             for s in diff.sites[:top]
         ]
-        more = _more(len(diff.sites) - top, "site")
-        sites = Section("Allocation sites that changed most:", rows, left=(1, 2), more=more)
+        hidden = more(len(diff.sites) - top, "site")
+        sites = Section("Allocation sites that changed most:", rows, left=(1, 2), more=hidden)
         blocks.append(section_text(sites))
     else:
         blocks.append(["No allocation site changed."])

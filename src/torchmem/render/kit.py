@@ -1,0 +1,132 @@
+"""What every report's renderers share: sizes, seconds and "... and N more" lines, the
+:class:`Section` (a titled table) as text and as HTML, the one style sheet, and the one
+HTML page shell (:func:`page`). Each renderer module (``run``, ``ranks``, ``snapshot``,
+``estimate``, ...) builds its sections from its record and hands them here."""
+
+from __future__ import annotations
+
+import html as markup
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from torchmem.records.frames import Stack
+from torchmem.render.text import encodable, table
+from torchmem.units import readable_size
+
+MISSING = "-"
+"""What a cell shows where the record has no value."""
+SAMPLED = "~"
+"""Marks a peak that comes from sampling (the true peak may be higher)."""
+
+STYLE = """\
+body { font-family: system-ui, -apple-system, "Segoe UI", sans-serif; color: #222;
+       margin: 24px; max-width: 1000px; }
+h3 { margin: 0 0 4px; }
+h4 { margin: 18px 0 4px; }
+table { border-collapse: collapse; margin: 4px 0; }
+th, td { padding: 2px 10px; text-align: right; font-variant-numeric: tabular-nums; }
+th { border-bottom: 1px solid #999; }
+tbody tr:nth-child(even) { background: #f3f4f6; }
+code { font-family: ui-monospace, Menlo, Consolas, monospace; }
+.torchmem-charts { display: flex; flex-wrap: wrap; gap: 12px; margin: 12px 0; }
+.torchmem-charts svg { border: 1px solid #ddd; background: #fff; }
+"""
+"""The pages' only style sheet (inline, no fonts or files fetched)."""
+
+_LEFT = ' style="text-align: left"'
+
+
+def size(nbytes: int | None, missing: str = MISSING, mark: str = "") -> str:
+    """`nbytes` as :func:`~torchmem.units.readable_size` prints it, after `mark` (such as
+    :data:`SAMPLED`); `missing` where there is no value."""
+    return missing if nbytes is None else mark + readable_size(nbytes)
+
+
+def seconds(value: float | None) -> str:
+    """``2.41s``; :data:`MISSING` where there is no value."""
+    return MISSING if value is None else f"{value:.2f}s"
+
+
+def more(count: int, what: str, nbytes: int | None = None) -> str:
+    """``... and 3 more sites (1.50M)``; `what` is the singular, made plural with an s;
+    empty where nothing was left out."""
+    if count <= 0:
+        return ""
+    rest = "" if nbytes is None else f" ({readable_size(nbytes)})"
+    return f"... and {count} more {what}{'' if count == 1 else 's'}{rest}"
+
+
+@dataclass(frozen=True)
+class Section:
+    """One block of a report: a title, a table, and a line on what was left out."""
+
+    title: str
+    rows: Sequence[tuple[str, ...]]
+    left: tuple[int, ...] = (0,)
+    header: tuple[str, ...] | None = None
+    more: str = ""
+    stacks: Sequence[Stack] = ()
+    """Per row, the stack of the site in its second cell: HTML shows it on demand (a
+    ``<details>`` in that cell); text leaves it out."""
+
+
+def section_text(section: Section) -> list[str]:
+    """`section` as lines of text: its title, then its table indented under it."""
+    indent = "  " if section.title else ""
+    lines = [section.title] if section.title else []
+    rows = ([section.header] if section.header else []) + list(section.rows)
+    lines += [indent + line for line in table(rows, left=section.left)]
+    if section.more:
+        lines.append(indent + section.more)
+    return lines
+
+
+def _cell(tag: str, value: str, left: bool) -> str:
+    return f"<{tag}{_LEFT if left else ''}>{markup.escape(value)}</{tag}>"
+
+
+def _stack_cell(value: str, stack: Stack) -> str:
+    """A site's cell whose stack opens on a click: no script, a ``<details>``."""
+    frames = "".join(
+        f"<li><code>{markup.escape(f'{file}:{line}')}</code> {markup.escape(function)}</li>"
+        for file, line, function in stack
+    )
+    return (
+        f"<td{_LEFT}><details><summary>{markup.escape(value)}</summary>"
+        f'<ol style="margin: 2px 0; text-align: left">{frames}</ol></details></td>'
+    )
+
+
+def section_html(section: Section) -> str:
+    """`section` as HTML: an ``<h4>`` title, a table, and a paragraph on what was left out.
+    A row's stack, where it has one, opens under its site on a click."""
+
+    def row(cells: tuple[str, ...], tag: str, stack: Stack = ()) -> str:
+        inner = "".join(
+            _stack_cell(c, stack) if i == 1 and stack else _cell(tag, c, i in section.left)
+            for i, c in enumerate(cells)
+        )
+        return f"<tr>{inner}</tr>"
+
+    title = f"<h4>{markup.escape(section.title)}</h4>" if section.title else ""
+    head = f"<thead>{row(section.header, 'th')}</thead>" if section.header else ""
+    stacks = list(section.stacks) or [()] * len(section.rows)
+    body = "".join(
+        row(cells, "td", stack) for cells, stack in zip(section.rows, stacks, strict=True)
+    )
+    more = f"<p>{markup.escape(section.more)}</p>" if section.more else ""
+    table = f'<table style="border-collapse: collapse">{head}<tbody>{body}</tbody></table>'
+    return f"{title}{table}{more}"
+
+
+def page(title: str, body: str) -> str:
+    """A complete HTML document around the fragment `body`: one file that opens offline,
+    with the inline style sheet and no scripts, fonts, images or links to fetch. Lone
+    surrogates (a file name that is not UTF-8) are written as escapes."""
+    return encodable(
+        "<!DOCTYPE html>\n"
+        '<html lang="en">\n<head>\n<meta charset="utf-8"/>\n'
+        '<meta name="viewport" content="width=device-width, initial-scale=1"/>\n'
+        f"<title>{markup.escape(title)}</title>\n<style>\n{STYLE}</style>\n</head>\n"
+        f"<body>\n{body}\n</body>\n</html>\n"
+    )

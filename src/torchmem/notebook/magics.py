@@ -41,81 +41,98 @@ class MagicHandle:
         self.remove()
 
 
-def register(ipython: Any) -> MagicHandle:
-    """Register the line and cell magic ``mlrun`` in `ipython`; return a handle that
-    removes it."""
-    from IPython.core.magic_arguments import argument, magic_arguments
-
-    @magic_arguments()
-    @argument(
-        "-f",
-        "--function",
-        metavar="FUNC",
-        action="append",
-        default=[],
-        help="""Function to profile. Can be specified multiple times to profile
+_OPTIONS: tuple[tuple[tuple[str, ...], dict[str, Any]], ...] = (
+    (
+        ("-f", "--function"),
+        dict(
+            metavar="FUNC",
+            action="append",
+            default=[],
+            help="""Function to profile. Can be specified multiple times to profile
         multiple functions; each is evaluated in the user namespace""",
-    )
-    @argument(
-        "-c",
-        "--column",
-        metavar="COLS",
-        action="append",
-        default=[],
-        help="""Columns to display. Can be specified multiple times to show
+        ),
+    ),
+    (
+        ("-c", "--column"),
+        dict(
+            metavar="COLS",
+            action="append",
+            default=[],
+            help="""Columns to display. Can be specified multiple times to show
         multiple columns. See the Torch CUDA spec at
         https://pytorch.org/docs/stable/cuda.html#torch.cuda.memory_stats for details.
         The columns follow the default ones (see -D)""",
-    )
-    @argument(
-        "-D",
-        "--no_default_columns",
-        action="store_true",
-        help="""Hide the default columns of active_bytes.all.peak,
+        ),
+    ),
+    (
+        ("-D", "--no_default_columns"),
+        dict(
+            action="store_true",
+            help="""Hide the default columns of active_bytes.all.peak,
         reserved_bytes.all.peak (on CPU tensors: active_bytes.all.peak,
         active_bytes.all.delta)""",
-    )
-    @argument(
-        "-r",
-        "--return-profiler",
-        action="store_true",
-        help="Return LineProfiler object for introspection",
-    )
-    @argument(
-        "-g",
-        "--gpu",
-        metavar="GPU_ID",
-        default=0,
-        type=int,
-        help="Profile memory usage of this GPU",
-    )
-    @argument(
-        "-d",
-        "--device",
-        metavar="DEVICE",
-        default=None,
-        help="""Measure this device instead: "cuda:1", "cpu" (CPU tensors), "ram" (the
+        ),
+    ),
+    (
+        ("-r", "--return-profiler"),
+        dict(
+            action="store_true",
+            help="Return LineProfiler object for introspection",
+        ),
+    ),
+    (
+        ("-g", "--gpu"),
+        dict(
+            metavar="GPU_ID",
+            default=0,
+            type=int,
+            help="Profile memory usage of this GPU",
+        ),
+    ),
+    (
+        ("-d", "--device"),
+        dict(
+            metavar="DEVICE",
+            default=None,
+            help="""Measure this device instead: "cuda:1", "cpu" (CPU tensors), "ram" (the
         process's resident memory). Default: the GPU of -g where CUDA is available,
         else CPU tensors""",
-    )
-    @argument(
-        "-q",
-        "--quiet",
-        action="store_true",
-        help="Don't print out profile results",
-    )
-    @argument(
-        "-T",
-        "--dump-profile",
-        metavar="OUTPUT",
-        help="Dump text profile output to file",
-    )
-    @argument(
-        "statement",
-        nargs=argparse.REMAINDER,
-        default=None,
-        help="Code to run under profiler. You can omit this in cell magic mode.",
-    )
+        ),
+    ),
+    (
+        ("-q", "--quiet"),
+        dict(
+            action="store_true",
+            help="Don't print out profile results",
+        ),
+    ),
+    (
+        ("-T", "--dump-profile"),
+        dict(
+            metavar="OUTPUT",
+            help="Dump text profile output to file",
+        ),
+    ),
+    (
+        ("statement",),
+        dict(
+            nargs=argparse.REMAINDER,
+            default=None,
+            help="Code to run under profiler. You can omit this in cell magic mode.",
+        ),
+    ),
+)
+"""``%mlrun``'s options, as pytorch_memlab's: the flags and the keyword arguments of
+each IPython ``@argument``, in the order they are listed."""
+
+
+def register(ipython: Any) -> MagicHandle:
+    """Register the line and cell magic ``mlrun`` in `ipython`; return a handle that
+    removes it."""
+    from IPython.core.magic_arguments import magic_arguments
+
+    @magic_arguments()
+    @_with_options
     def mlrun(line: str = "", cell: str | None = None) -> Any:
         """Execute a statement/cell with the line profiler on the functions given by -f.
 
@@ -126,6 +143,16 @@ def register(ipython: Any) -> MagicHandle:
 
     ipython.register_magic_function(mlrun, "line_cell", "mlrun")
     return MagicHandle(ipython, {"line": ("mlrun",), "cell": ("mlrun",)})
+
+
+def _with_options(function: Any) -> Any:
+    """`function` decorated with IPython's ``@argument`` for each of :data:`_OPTIONS`, as
+    if stacked above it in that order."""
+    from IPython.core.magic_arguments import argument
+
+    for flags, options in reversed(_OPTIONS):
+        function = argument(*flags, **options)(function)
+    return function
 
 
 def _mlrun(ipython: Any, parser: Any, line: str, cell: str | None) -> Any:

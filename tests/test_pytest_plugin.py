@@ -615,8 +615,7 @@ def test_a_test_that_records_itself_is_explained_all_the_same(
 def test_the_readme_failure_is_what_pytest_prints(
     pytester: pytest.Pytester, no_gpu_anywhere: None
 ) -> None:
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    section = readme[readme.index("## In tests") :]
+    section = (Path(__file__).resolve().parent.parent / "docs" / "pytest.md").read_text()
     code, shown = re.findall(r"```(?:python|text)\n(.*?)```", section, re.S)[:2]
     pytester.makepyfile(test_model=code)
     # pytest-memray loaded too where it is installed: the example is torchmem's all the same.

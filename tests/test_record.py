@@ -595,8 +595,8 @@ def test_a_recording_imports_no_dynamo_while_the_program_runs() -> None:
 
 
 def process_state() -> dict[str, object]:
-    """What the README's "What torchmem changes in your process" says a recording changes
-    and undoes, read from the process."""
+    """What docs/process.md ("What torchmem changes in your process") says a recording
+    changes and undoes, read from the process."""
     return {
         "global hooks": global_hooks(),
         "saved-tensor hooks": saved_hooks_on_this_thread(),

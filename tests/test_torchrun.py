@@ -265,8 +265,7 @@ def test_two_ranks_sharing_one_cuda_gpu(tmp_path: Path) -> None:
 
 
 def readme_sample() -> list[str]:
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    section = readme.split("## Many processes: torchrun", 1)[1]
+    section = (Path(__file__).resolve().parent.parent / "docs" / "distributed.md").read_text()
     return section.split("```text\n", 1)[1].split("```", 1)[0].splitlines()
 
 

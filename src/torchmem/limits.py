@@ -24,19 +24,9 @@ from torchmem.records.frames import SiteKey
 from torchmem.records.limits import Elsewhere, Limit, Origin, Usage, Verdict
 from torchmem.records.run import Site
 from torchmem.records.tensors import TensorRecord
-from torchmem.resolve import DeviceLike, resolve_device
+from torchmem.resolve import RAM, DeviceLike, measured
 from torchmem.tensors import MemReporter, diff
 from torchmem.units import parse_size
-
-
-def device_name(device: DeviceLike | None) -> str:
-    """The device a limit measures, as a string: ``"ram"`` for the process, else
-    :func:`~torchmem.resolve_device`'s (``None``: the current GPU, else ``"cpu"``).
-
-    Raises:
-        ValueError: naming the device, if this machine does not have it.
-    """
-    return "ram" if device == "ram" else str(resolve_device(device))
 
 
 def limit_memory(
@@ -85,13 +75,13 @@ def _limit(
     for name, value in (("setup", setup), ("current_thread_only", thread)):
         if not isinstance(value, bool):  # a marker's arguments are not type-checked
             raise ValueError(f"invalid {name} {value!r}: expected True or False")
-    measured = device_name(device)
-    if thread and measured == "ram":
+    name = measured(device)
+    if thread and name == RAM:
         raise ValueError(
             "current_thread_only=True cannot measure device 'ram': the process's resident"
             " memory is not counted per thread"
         )
-    return Limit(kind, parse_size(limit), measured, setup, thread)
+    return Limit(kind, parse_size(limit), name, setup, thread)
 
 
 class Span:

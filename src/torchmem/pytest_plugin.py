@@ -223,11 +223,11 @@ class Plugin:
 
     def pytest_sessionstart(self, session: pytest.Session) -> None:
         if self.every:
-            from torchmem.limits import device_name
             from torchmem.meters import meter
+            from torchmem.resolve import measured
 
             # Once, before any test runs: a test may hide or fake the GPU.
-            devices = dict.fromkeys([device_name(None), "cpu", "ram"])
+            devices = dict.fromkeys([measured(None), "cpu", "ram"])
             self._meters = [meter(device) for device in devices]
 
     @pytest.hookimpl(wrapper=True, trylast=True)

@@ -70,7 +70,7 @@ class RanksReport(RanksRecord):
         return ranks.dataframe(self)
 
     def save_json(self, path: str | Path) -> None:
-        """Write :meth:`to_json` to `path` (the contract is in the README)."""
+        """Write :meth:`to_json` to `path` (the contract is in docs/json.md)."""
         Path(path).write_text(json.dumps(self.to_json(), indent=1) + "\n")
 
     def save_html(self, path: str | Path) -> None:

@@ -17,6 +17,9 @@ DeviceLike: TypeAlias = str | int | torch.device
 """A device as PyTorch users write it: ``"cuda:1"``, ``"cpu"``, ``1`` (CUDA device 1),
 ``torch.device("meta")``."""
 
+RAM = "ram"
+"""What torchmem measures besides PyTorch's devices: the process's resident memory."""
+
 _INDEXED = ("cuda", "xpu")
 """Device types whose backend module (``torch.cuda``, ``torch.xpu``) says which devices
 exist and which one is current."""
@@ -99,3 +102,14 @@ def resolve_device(device: DeviceLike | None = None) -> torch.device:
             raise ValueError(f"no device {device!r}: there is one CPU device, cpu (or cpu:0)")
         return torch.device("cpu")
     return parsed
+
+
+def measured(device: DeviceLike | None = None) -> str:
+    """What torchmem measures for `device`, as every meter and record names it:
+    :data:`RAM` (``"ram"``) for the process's resident memory, else
+    :func:`resolve_device`'s device as a string (``"cuda:0"``, ``"cpu"``).
+
+    Raises:
+        ValueError: naming the value, as :func:`resolve_device` does.
+    """
+    return RAM if device == RAM else str(resolve_device(device))

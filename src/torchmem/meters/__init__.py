@@ -13,7 +13,7 @@ from torchmem.meters.device import DeviceMeter
 from torchmem.meters.mps import MpsMeter
 from torchmem.meters.ram import RamMeter
 from torchmem.meters.tensor import TensorMeter
-from torchmem.resolve import DeviceLike, resolve_device
+from torchmem.resolve import DeviceLike, measured, resolve_device
 
 __all__ = [
     "AllocatorMeter",
@@ -52,7 +52,7 @@ def meter(device: DeviceLike | None = None) -> Meter:
     Raises:
         ValueError: naming the device, if it is malformed or not available here.
     """
-    key = "ram" if device == "ram" else str(resolve_device(device))
+    key = measured(device)
     found = _meters.get(key)
     if found is None:
         with _meters_lock:

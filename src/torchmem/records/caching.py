@@ -137,25 +137,28 @@ def trace_blocks(
             traced.remove(address)
     sizes: dict[int, int] = {a: n for a, n in in_use if a not in traced}
     used = sorted({a for a, n in sizes.items() if n > SMALL_SIZE} | before)
+    return _replay_blocks(events, ends, sizes, used, expandable)
+
+
+def _replay_blocks(
+    events: Sequence[tuple[int, int, int, int, int]],
+    ends: dict[int, int],
+    sizes: dict[int, int],
+    used: list[int],
+    expandable: bool,
+) -> list[int]:
+    """:func:`trace_blocks`, from the start of the trace: `ends` of its segments (address ->
+    end address), `sizes` of its blocks in use (address -> bytes) and the addresses `used`
+    of those in use over :data:`SMALL_SIZE` (sorted). Changes all three."""
     starts = sorted(ends)
     right, insort = bisect.bisect_right, bisect.insort
-
-    def room(address: int) -> int | None:
-        """Bytes from `address` to the next block in use or its segment's end."""
-        at = right(starts, address) - 1
-        end = ends[starts[at]] if at >= 0 else address
-        if address >= end:
-            return None
-        after = right(used, address)
-        return (used[after] if after < len(used) and used[after] < end else end) - address
-
     out: list[int] = []
     append = out.append
     for kind, address, size, _, _ in events:  # a hot loop: up to a million entries
         if kind == 0:
             nbytes = (size + MIN_BLOCK - 1) // MIN_BLOCK * MIN_BLOCK or MIN_BLOCK
             if nbytes > SMALL_SIZE and not expandable:
-                # block_bytes(size, room(address)), inline
+                # block_bytes(size, _room(...)), inline
                 at = right(starts, address) - 1
                 end = ends[starts[at]] if at >= 0 else address
                 if address < end:
@@ -171,7 +174,11 @@ def trace_blocks(
             nbytes = sizes.pop(address, 0)
             if not nbytes or nbytes > SMALL_SIZE:
                 if not nbytes:
-                    nbytes = round_size(size) if expandable else block_bytes(size, room(address))
+                    nbytes = (
+                        round_size(size)
+                        if expandable
+                        else block_bytes(size, _room(address, starts, ends, used))
+                    )
                 at = bisect.bisect_left(used, address)
                 if at < len(used) and used[at] == address:
                     del used[at]
@@ -185,6 +192,17 @@ def trace_blocks(
                 del ends[address]
         append(nbytes)
     return out
+
+
+def _room(address: int, starts: list[int], ends: dict[int, int], used: list[int]) -> int | None:
+    """Bytes from `address` to the next block in use (`used`, sorted) or the end of its
+    segment (`starts`, sorted, and their `ends`); None outside every segment."""
+    at = bisect.bisect_right(starts, address) - 1
+    end = ends[starts[at]] if at >= 0 else address
+    if address >= end:
+        return None
+    after = bisect.bisect_right(used, address)
+    return (used[after] if after < len(used) and used[after] < end else end) - address
 
 
 class TraceReplay(NamedTuple):

@@ -33,6 +33,7 @@ from torchmem.recorder.analysis import Names, device_run, module_peaks
 from torchmem.recorder.sources import NO_SITE, Log
 from torchmem.records import TOP
 from torchmem.records.estimate import EstimateRecord
+from torchmem.records.run import DeviceRun, ModulePeak
 from torchmem.units import parse_size
 
 CONTEXT_BYTES = 512 * 2**20
@@ -156,26 +157,9 @@ def estimate(fn: Callable[..., Any], *args: Any, device: str = "cuda", **kwargs:
     """
     target = _target(device)
     workspace = _workspace_bytes() if target == "cuda" else 0  # its setting read first
-    for value in (*args, *kwargs.values()):
-        if isinstance(value, (torch.Tensor, torch.nn.Module, torch.optim.Optimizer)):
-            raise TypeError(
-                f"estimate() got a {type(value).__name__}: it fakes only what fn makes, so"
-                " build tensors, models and optimizers inside fn and pass it sizes"
-            )
+    _check_arguments((*args, *kwargs.values()))
     started = time.perf_counter()
-    try:
-        fake = run_fake(fn, args, kwargs, cuda=target == "cuda")
-    except UnknownValue as exc:
-        raise EstimateError(str(exc)) from None
-    except Exception as exc:
-        operator = data_dependent_operator(exc)
-        if operator is None:
-            raise
-        raise EstimateError(
-            f"{operator} cannot run on fake tensors: its output's shape depends on the"
-            " values of a tensor, which an estimate does not have. Give the shape a"
-            " fixed size (e.g. a mask multiplied in instead of indexed with)."
-        ) from None
+    fake = _run(fn, args, kwargs, cuda=target == "cuda")
     notes = _notes(fake, cuda=target == "cuda")
     log, reserved, expandable = fake.log, None, False
     requests: tuple[int, ...] = ()
@@ -184,19 +168,7 @@ def estimate(fn: Callable[..., Any], *args: Any, device: str = "cuda", **kwargs:
         allocator = CachingAllocator(expandable=expandable)
         log, requests = _on_cuda(fake, allocator, workspace)
         reserved = allocator.reserved_peak
-    names = Names(fake.watcher)
-    variables = {
-        -1: "cuBLAS workspace (forward)",
-        -2: "cuBLAS workspace (backward)",
-        -3: "cuBLASLt workspace (forward)",
-        -4: "cuBLASLt workspace (backward)",
-    }
-    found = log.tally(fake.watcher.notes, every_device=True)
-    run = device_run(found, fake.stop, names, fake.watcher.names, variables, TOP)
-    run = dataclasses.replace(run, device=target, reserved_peak_bytes=reserved)
-    modules = module_peaks(
-        found.tally, target, fake.watcher.modules, names.modules, fake.watcher.calls
-    )
+    run, modules = _tallied(fake, log, target, reserved)
     cuda = target == "cuda"
     return Estimate(
         device=target,
@@ -215,6 +187,57 @@ def estimate(fn: Callable[..., Any], *args: Any, device: str = "cuda", **kwargs:
         function=getattr(fn, "__qualname__", repr(fn)),
         requests=requests,
     )
+
+
+def _check_arguments(values: Sequence[Any]) -> None:
+    """A TypeError for a tensor, a model or an optimizer among `values`: fn must make
+    them, to make them fake."""
+    for value in values:
+        if isinstance(value, (torch.Tensor, torch.nn.Module, torch.optim.Optimizer)):
+            raise TypeError(
+                f"estimate() got a {type(value).__name__}: it fakes only what fn makes, so"
+                " build tensors, models and optimizers inside fn and pass it sizes"
+            )
+
+
+def _run(fn: Callable[..., Any], args: Any, kwargs: Any, *, cuda: bool) -> FakeRun:
+    """``fn(*args, **kwargs)`` run on fake tensors; an :class:`EstimateError` where it needs
+    a tensor's values."""
+    try:
+        return run_fake(fn, args, kwargs, cuda=cuda)
+    except UnknownValue as exc:
+        raise EstimateError(str(exc)) from None
+    except Exception as exc:
+        operator = data_dependent_operator(exc)
+        if operator is None:
+            raise
+        raise EstimateError(
+            f"{operator} cannot run on fake tensors: its output's shape depends on the"
+            " values of a tensor, which an estimate does not have. Give the shape a"
+            " fixed size (e.g. a mask multiplied in instead of indexed with)."
+        ) from None
+
+
+def _tallied(
+    fake: FakeRun, log: Log, target: str, reserved: int | None
+) -> tuple[DeviceRun, tuple[ModulePeak, ...]]:
+    """The run of `log` (the fake run's, or its replay on CUDA) on device `target`, with
+    `reserved` the allocator's highest reserve in bytes (None on the CPU), and each
+    module's peak."""
+    names = Names(fake.watcher)
+    variables = {
+        -1: "cuBLAS workspace (forward)",
+        -2: "cuBLAS workspace (backward)",
+        -3: "cuBLASLt workspace (forward)",
+        -4: "cuBLASLt workspace (backward)",
+    }
+    found = log.tally(fake.watcher.notes, every_device=True)
+    run = device_run(found, fake.stop, names, fake.watcher.names, variables, TOP)
+    run = dataclasses.replace(run, device=target, reserved_peak_bytes=reserved)
+    modules = module_peaks(
+        found.tally, target, fake.watcher.modules, names.modules, fake.watcher.calls
+    )
+    return run, modules
 
 
 def _notes(fake: FakeRun, *, cuda: bool) -> list[str]:
@@ -267,63 +290,91 @@ def max_batch_size(
     """
     limit = parse_size(capacity)
     _target(device)
-    found: dict[int, Estimate] = {}
-    verdicts: dict[int, bool] = {}
+    search = _Search(
+        lambda batch: estimate(fn, batch, *args, device=device, **kwargs), limit, capacity
+    )
+    if not search.fits(1):
+        return 0
+    x0, x1 = search.growing()
+    search.secant(x0, x1)
+    return search.edge()
 
-    def fits(batch: int) -> bool:
+
+class _Search:
+    """:func:`max_batch_size`'s estimates, each batch's made once, and its steps."""
+
+    def __init__(self, run: Callable[[int], Estimate], limit: int, capacity: object) -> None:
+        self.run = run
+        """The estimate of a batch size."""
+        self.limit = limit
+        """Bytes the batch must fit in."""
+        self.capacity = capacity
+        """The capacity as given, for messages."""
+        self.found: dict[int, Estimate] = {}
+        self.verdicts: dict[int, bool] = {}
+
+    def fits(self, batch: int) -> bool:
         if batch > MAX_BATCH:
-            raise EstimateError(f"no batch up to {MAX_BATCH} fills {capacity!r}")
-        if batch not in verdicts:
-            found[batch] = estimate(fn, batch, *args, device=device, **kwargs)
-            verdicts[batch] = found[batch].fits(limit)
-        return verdicts[batch]
+            raise EstimateError(f"no batch up to {MAX_BATCH} fills {self.capacity!r}")
+        if batch not in self.verdicts:
+            self.found[batch] = self.run(batch)
+            self.verdicts[batch] = self.found[batch].fits(self.limit)
+        return self.verdicts[batch]
 
-    def bracket() -> tuple[int, int]:
+    def bracket(self) -> tuple[int, int]:
         """The largest batch known to fit, and the smallest known not to."""
-        low = max(b for b, ok in verdicts.items() if ok)
-        high = min((b for b, ok in verdicts.items() if not ok), default=MAX_BATCH + 1)
+        low = max(b for b, ok in self.verdicts.items() if ok)
+        high = min((b for b, ok in self.verdicts.items() if not ok), default=MAX_BATCH + 1)
         return low, high
 
-    if not fits(1):
-        return 0
-    # Double the batch until the estimate grows (small batches may share one segment).
-    x0, x1 = 1, 2
-    while fits(x1) and found[x1].peak_bytes <= found[x0].peak_bytes:
-        if x1 >= 2**16:
-            raise EstimateError(
-                f"{found[1].function}'s estimate does not grow with the batch size"
-                f" ({found[1].peak_bytes} bytes at 1 and at {x1}): is the batch size"
-                " its first argument?"
-            )
-        x1 *= 2
-    # Secant steps on the peak toward the capacity less the overhead (segments, context)
-    # seen at the last batch: memory grows about linearly with the batch, so they land
-    # within a few batches of the edge.
-    for _ in range(6):
-        low, high = bracket()
-        y0, y1 = found[x0].peak_bytes, found[x1].peak_bytes
-        if y1 == y0 or high - low <= 1:
-            break
-        room = limit - (found[x1].needed_bytes - y1)
-        guess = min(max(x1 + (room - y1) * (x1 - x0) // (y1 - y0), low + 1), high - 1)
-        if guess in verdicts:
-            break
-        fits(guess)
-        x0, x1 = x1, guess
-    # Where no batch tried failed yet, double the step up until one does; then halve.
-    low, high = bracket()
-    step = 1
-    while high > MAX_BATCH and fits(low + step):
-        low, step = low + step, step * 2
-        low, high = bracket()
-    low, high = bracket()
-    while high - low > 1:
-        middle = (low + high) // 2
-        if fits(middle):
-            low = middle
-        else:
-            high = middle
-    return low
+    def growing(self) -> tuple[int, int]:
+        """Batch 1 and the first doubling whose estimate is larger (small batches may
+        share one segment), or the first that does not fit."""
+        found = self.found
+        x0, x1 = 1, 2
+        while self.fits(x1) and found[x1].peak_bytes <= found[x0].peak_bytes:
+            if x1 >= 2**16:
+                raise EstimateError(
+                    f"{found[1].function}'s estimate does not grow with the batch size"
+                    f" ({found[1].peak_bytes} bytes at 1 and at {x1}): is the batch size"
+                    " its first argument?"
+                )
+            x1 *= 2
+        return x0, x1
+
+    def secant(self, x0: int, x1: int) -> None:
+        """Secant steps on the peak toward the capacity less the overhead (segments,
+        context) seen at the last batch: memory grows about linearly with the batch, so
+        they land within a few batches of the edge."""
+        found = self.found
+        for _ in range(6):
+            low, high = self.bracket()
+            y0, y1 = found[x0].peak_bytes, found[x1].peak_bytes
+            if y1 == y0 or high - low <= 1:
+                break
+            room = self.limit - (found[x1].needed_bytes - y1)
+            guess = min(max(x1 + (room - y1) * (x1 - x0) // (y1 - y0), low + 1), high - 1)
+            if guess in self.verdicts:
+                break
+            self.fits(guess)
+            x0, x1 = x1, guess
+
+    def edge(self) -> int:
+        """The largest batch that fits: where no batch tried failed yet, the step doubles
+        up until one does; then the bracket is halved."""
+        low, high = self.bracket()
+        step = 1
+        while high > MAX_BATCH and self.fits(low + step):
+            low, step = low + step, step * 2
+            low, high = self.bracket()
+        low, high = self.bracket()
+        while high - low > 1:
+            middle = (low + high) // 2
+            if self.fits(middle):
+                low = middle
+            else:
+                high = middle
+        return low
 
 
 def _target(device: str) -> str:

@@ -62,44 +62,23 @@ class CpuAllocatorLibrary:
             lib = ctypes.CDLL(str(path))
         except OSError as exc:
             raise BuildError(f"cannot load {path}: {exc}") from None
-        lib.torchmem_counters.restype = ctypes.c_void_p
-        lib.torchmem_dropped_rows.restype = ctypes.c_void_p
-        lib.torchmem_self_test.argtypes = [ctypes.c_int64]
         self._lib = lib
         # The recording's functions touch Python objects: called with the GIL held.
         self._py = ctypes.PyDLL(str(path))
+        _declare(lib, self._py)
         # Adoption reads and swaps a storage's DataPtr: with the GIL held, no Python thread
         # can start what would change it meanwhile (see torchmem_adopt).
         self._adopt = self._py.torchmem_adopt
-        self._adopt.restype = ctypes.c_int64
-        self._adopt.argtypes = [ctypes.c_void_p]
-        self._py.torchmem_record_start.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_char_p]
-        self._py.torchmem_record_start.restype = ctypes.c_int
-        self._py.torchmem_record_stop.restype = ctypes.c_int64
-        self._py.torchmem_record_count.restype = ctypes.c_int64
-        self._py.torchmem_record_nest.restype = ctypes.c_int64
-        self._py.torchmem_record_take.restype = ctypes.c_int64
-        self._py.torchmem_record_take.argtypes = [ctypes.c_void_p, ctypes.c_int64]
         # Called from the hooks, many times a step: Python functions where the library has
         # Python's headers, else plain ctypes functions (ten times the cost of a call).
-        mark = self._py.torchmem_record_mark
-        mark.restype = ctypes.c_int64
-        mark.argtypes = [ctypes.c_void_p, ctypes.c_int64]
-        self.mark: Callable[[int, int], int] = mark
+        self.mark: Callable[[int, int], int] = self._py.torchmem_record_mark
         """``mark(ptr, category)``: the sequence number of the allocation at `ptr` where
         this lowers its category (then :meth:`note` the mark), -1 where it does not, -2
         for a storage the log has not seen (made before it started: :attr:`adopt_row`)."""
-        note = self._py.torchmem_record_note
-        note.restype = None
-        note.argtypes = [ctypes.c_int64] * 5
-        self.note: Callable[[int, int, int, int, int], None] = note
+        self.note: Callable[[int, int, int, int, int], None] = self._py.torchmem_record_note
         """``note(kind, ptr, bytes, site, ref)``: append a row (a mark, a probe) to the log."""
-        adopt = self._py.torchmem_record_adopt
-        adopt.restype = None
-        adopt.argtypes = [ctypes.c_void_p, ctypes.c_int64]
-        self.adopt_row = adopt
+        self.adopt_row = self._py.torchmem_record_adopt
         """``adopt_row(ptr, bytes)``: a storage made before the log started, alive still."""
-        self._py.torchmem_reset_peak.restype = None
         self.reset_peak: Callable[[], None] = self._py.torchmem_reset_peak
         """Restart the peak counter at the current bytes (a Python function where the
         library has Python's headers, for the line profiler's every line)."""
@@ -122,17 +101,7 @@ class CpuAllocatorLibrary:
         self.counters = (ctypes.c_int64 * len(COUNTERS)).from_address(lib.torchmem_counters())
         """The live counters, indexed as :data:`COUNTERS` names them (bytes, or counts)."""
         self._dropped_rows = ctypes.c_int64.from_address(lib.torchmem_dropped_rows())
-        code = lib.torchmem_install()
-        if code:
-            # 2, 3: c10's default allocator is not the class, or does not allocate as,
-            # cpu_allocator.cpp relies on (a build of PyTorch it does not know).
-            reason = f"PyTorch's default CPU allocator is not as torchmem expects ({code})"
-            raise BuildError(_INSTALL_ERRORS.get(code, reason))
-        try:
-            self._self_test()
-        except BuildError:
-            lib.torchmem_uninstall()
-            raise
+        self._install()
 
     def adopt(self, storage_key: int) -> int:
         """Count a storage made before the allocator was installed (by its
@@ -230,16 +199,51 @@ class CpuAllocatorLibrary:
         self._recordings = 0
         self._recordings_lock = threading.Lock()
 
-    def _self_test(self) -> None:
-        """Allocate and free in C++, then through a tensor: both must be counted."""
-        code = self._lib.torchmem_self_test(_SELF_TEST_BYTES)
+    def _install(self) -> None:
+        """Install the library as PyTorch's CPU allocator, and self-test it: allocations and
+        frees in C++, then through a tensor, must be counted (else it is uninstalled)."""
+        code = self._lib.torchmem_install()
         if code:
-            raise BuildError(f"self-test failed ({code}): allocations are not counted")
-        for make in (torch.empty, torch.UntypedStorage):
-            allocated, freed = self.counters[2], self.counters[3]
-            make(_SELF_TEST_BYTES)
-            if self.counters[2] - allocated < _SELF_TEST_BYTES or self.counters[3] == freed:
-                raise BuildError(f"self-test failed: torch.{make.__name__} is not counted")
+            # 2, 3: c10's default allocator is not the class, or does not allocate as,
+            # cpu_allocator.cpp relies on (a build of PyTorch it does not know).
+            reason = f"PyTorch's default CPU allocator is not as torchmem expects ({code})"
+            raise BuildError(_INSTALL_ERRORS.get(code, reason))
+        try:
+            code = self._lib.torchmem_self_test(_SELF_TEST_BYTES)
+            if code:
+                raise BuildError(f"self-test failed ({code}): allocations are not counted")
+            for make in (torch.empty, torch.UntypedStorage):
+                allocated, freed = self.counters[2], self.counters[3]
+                make(_SELF_TEST_BYTES)
+                if self.counters[2] - allocated < _SELF_TEST_BYTES or self.counters[3] == freed:
+                    raise BuildError(f"self-test failed: torch.{make.__name__} is not counted")
+        except BuildError:
+            self._lib.torchmem_uninstall()
+            raise
+
+
+def _declare(lib: ctypes.CDLL, py: ctypes.PyDLL) -> None:
+    """Give the library's functions their C types (ctypes' default: int arguments and
+    result); those only a library with Python's headers has get theirs where it has."""
+    lib.torchmem_counters.restype = ctypes.c_void_p
+    lib.torchmem_dropped_rows.restype = ctypes.c_void_p
+    lib.torchmem_self_test.argtypes = [ctypes.c_int64]
+    py.torchmem_adopt.restype = ctypes.c_int64
+    py.torchmem_adopt.argtypes = [ctypes.c_void_p]
+    py.torchmem_record_start.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_char_p]
+    py.torchmem_record_start.restype = ctypes.c_int
+    py.torchmem_record_stop.restype = ctypes.c_int64
+    py.torchmem_record_count.restype = ctypes.c_int64
+    py.torchmem_record_nest.restype = ctypes.c_int64
+    py.torchmem_record_take.restype = ctypes.c_int64
+    py.torchmem_record_take.argtypes = [ctypes.c_void_p, ctypes.c_int64]
+    py.torchmem_record_mark.restype = ctypes.c_int64
+    py.torchmem_record_mark.argtypes = [ctypes.c_void_p, ctypes.c_int64]
+    py.torchmem_record_note.restype = None
+    py.torchmem_record_note.argtypes = [ctypes.c_int64] * 5
+    py.torchmem_record_adopt.restype = None
+    py.torchmem_record_adopt.argtypes = [ctypes.c_void_p, ctypes.c_int64]
+    py.torchmem_reset_peak.restype = None
 
 
 def cache_dir() -> Path:

@@ -148,11 +148,7 @@ def check(data: bytes, name: str, at: int = 0, tuples: int = 0) -> int:
         if code == _STOP:
             break
         if code in ops.lines:
-            after = at
-            for _ in range(ops.lines[code]):
-                after = data.find(b"\n", after + 1)
-                if after < 0:
-                    break
+            after = _lines_end(data, at, ops.lines[code])
             if after < 0:
                 break
             argument, after = data[start:after], after + 1
@@ -179,11 +175,7 @@ def check(data: bytes, name: str, at: int = 0, tuples: int = 0) -> int:
                 else int.from_bytes(argument, "little")
             )
             if index > at:
-                _fail(
-                    name,
-                    f"at byte {at} it stores memo entry {index}, more than the objects it"
-                    " can have made by then",
-                )
+                _memo_past(name, at, index)
         if code in _TUPLES:  # not of numbers: it may hold a tuple
             tuples += 1
             if tuples == MAX_TUPLE_DEPTH:  # _nest() reads them all: no more counting
@@ -332,6 +324,25 @@ def _deeper(items: list[int], name: str, at: int) -> int:
             f" (at byte {at})"
         )
     return depth
+
+
+def _lines_end(data: bytes, at: int, lines: int) -> int:
+    """The byte of the newline that ends the argument, of `lines` lines, of the opcode at
+    byte `at`; -1 where the data ends before it."""
+    after = at
+    for _ in range(lines):
+        after = data.find(b"\n", after + 1)
+        if after < 0:
+            break
+    return after
+
+
+def _memo_past(name: str, at: int, index: int) -> NoReturn:
+    _fail(
+        name,
+        f"at byte {at} it stores memo entry {index}, more than the objects it"
+        " can have made by then",
+    )
 
 
 def _memo_index(name: str, at: int, line: bytes) -> int:

@@ -244,25 +244,7 @@ class Recording:
                 modules = module_peaks(
                     tally, found.device, watcher.modules, names.modules, watcher.calls
                 )
-            if tally.dropped:
-                notes.append(
-                    f"{found.device}: {tally.events:,} allocations and frees were tallied as"
-                    " they happened; kept are those alive at the peak and at the end, the"
-                    " highest use per interval and per module, and (for --snapshot) the"
-                    f" last {tally.events - tally.dropped:,}."
-                )
-            if found.lost_rows:
-                notes.append(
-                    f"{found.device}: {found.lost_rows:,} allocations and frees could not be"
-                    " logged (out of memory): this device's figures may be off (meter('cpu')"
-                    " itself stayed exact)."
-                )
-            if found.lost_notes:
-                notes.append(
-                    f"{found.device}: the oldest {found.lost_notes:,} marks of what tensors"
-                    " were (parameters, gradients, ...) were not kept: allocations made"
-                    " before them and freed since may count as other."
-                )
+            notes.extend(_log_notes(found))
         if "OptimizedModule" in watcher.modules.values():
             notes.append(
                 "Compiled modules ran (torch.compile): each call is measured from the outside,"
@@ -285,6 +267,33 @@ class Recording:
             )
         duration = (self._stopped - self._started) / 1e9
         return RunReport(devices, modules, duration, notes=tuple(notes), top=top)
+
+
+def _log_notes(found: Tallied) -> list[str]:
+    """What a reader of the report must know of a device's log: what it did not keep, or
+    could not log."""
+    tally = found.tally
+    notes = []
+    if tally.dropped:
+        notes.append(
+            f"{found.device}: {tally.events:,} allocations and frees were tallied as"
+            " they happened; kept are those alive at the peak and at the end, the"
+            " highest use per interval and per module, and (for --snapshot) the"
+            f" last {tally.events - tally.dropped:,}."
+        )
+    if found.lost_rows:
+        notes.append(
+            f"{found.device}: {found.lost_rows:,} allocations and frees could not be"
+            " logged (out of memory): this device's figures may be off (meter('cpu')"
+            " itself stayed exact)."
+        )
+    if found.lost_notes:
+        notes.append(
+            f"{found.device}: the oldest {found.lost_notes:,} marks of what tensors"
+            " were (parameters, gradients, ...) were not kept: allocations made"
+            " before them and freed since may count as other."
+        )
+    return notes
 
 
 def record(device: DeviceLike | None = None, *, sites: bool = True) -> Recording:

@@ -98,6 +98,23 @@ def explain_oom(
     # message from another process, or from a log); a device given must be one of ours.
     where = resolve_device(device) if device is not None else parse_device(_device_of(message))
     requested = _requested(message)
+    where, (total, free, allocated, reserved) = _memory(where)
+    name = str(where)
+    records, notes = _live_tensors(name, model, gc.get_objects if objects is None else objects)
+    counted = [r for r in records if r.nbytes]  # a view's bytes are its base's
+    largest = tuple(sorted(counted, key=lambda r: r.nbytes, reverse=True)[:LARGEST])
+    history = sum(r.nbytes for r in records if _has_history(r))
+    hints = _hints(requested, total, allocated, reserved, history)
+    return OOMReport(
+        name, requested, total, free, allocated, reserved, largest, history, hints, notes
+    )
+
+
+def _memory(
+    where: torch.device,
+) -> tuple[torch.device, tuple[int | None, int | None, int | None, int | None]]:
+    """Device `where` (a GPU's index filled in where it is visible here), and its total and
+    free memory and its allocator's allocated and reserved bytes (None: not known here)."""
     total = free = allocated = reserved = None
     if where.type == "cuda" and torch.cuda.is_available():
         try:
@@ -111,15 +128,7 @@ def explain_oom(
     elif where.type == "cpu":
         ram = psutil.virtual_memory()
         total, free = ram.total, ram.available
-    name = str(where)
-    records, notes = _live_tensors(name, model, gc.get_objects if objects is None else objects)
-    counted = [r for r in records if r.nbytes]  # a view's bytes are its base's
-    largest = tuple(sorted(counted, key=lambda r: r.nbytes, reverse=True)[:LARGEST])
-    history = sum(r.nbytes for r in records if _has_history(r))
-    hints = _hints(requested, total, allocated, reserved, history)
-    return OOMReport(
-        name, requested, total, free, allocated, reserved, largest, history, hints, notes
-    )
+    return where, (total, free, allocated, reserved)
 
 
 def _check_arguments(exc: object, model: object, objects: object) -> None:

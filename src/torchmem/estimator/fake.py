@@ -25,28 +25,28 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from types import CodeType, FrameType
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
-from torch.optim.optimizer import (
-    register_optimizer_step_post_hook,
-    register_optimizer_step_pre_hook,
-)
 
 from torchmem._compat import (
     DispatchMode,
     data_dependent_operator,
     fake_mode,
-    forget_converted,
     getframe,
     in_backward,
     no_dispatch_modes,
     storage_key,
 )
 from torchmem.errors import EstimateError
-from torchmem.estimator.autocast import CudaRules
 from torchmem.estimator.loaders import loaders_in_process
-from torchmem.estimator.placement import GPU_AS_CPU, OnFakeCpu, any_on, mark, real_tensor
+from torchmem.estimator.patches import (
+    compiles_seen,
+    cuda_autocast_on_cpu,
+    foreach_optimizers,
+    swaps_forgetting,
+)
+from torchmem.estimator.placement import OnFakeCpu, any_on, mark, real_tensor
 from torchmem.estimator.values import Values, user_line, values_read
 from torchmem.meters.tensor import TensorMeter
 from torchmem.recorder.hooks import Watcher
@@ -229,12 +229,7 @@ class _Operators(DispatchMode):
         kwargs = kwargs or {}
         real = real_tensor(func, (*args, *kwargs.values()))
         if real is not None:  # before any kernel can change it
-            raise EstimateError(
-                f"{func} at {user_line()} was given a real tensor ({real.dtype}"
-                f" {tuple(real.shape)} on {real.device}), made before the estimate began (a"
-                " global, a closure's, a module's built outside): an estimate fakes only what"
-                " it makes. Build it inside the function; the real one was left unchanged."
-            )
+            _refuse_real(func, real)
         gpu = True
         if meter.gpu_only:
             forced = meter.forced
@@ -255,13 +250,7 @@ class _Operators(DispatchMode):
                     out = refused
                     self.values.compute(func, args, kwargs, out)
                     return out
-                note = getattr(exc, "add_note", None)  # Python 3.11 on
-                if isinstance(exc, RuntimeError) and note is not None:
-                    note(
-                        f"torchmem estimate: raised by {func} on fake tensors (its meta"
-                        f" kernel), called at {user_line()}; where the same code runs on"
-                        " real tensors, the fake kernel refuses what the real one accepts."
-                    )
+                _note_fake_kernel(exc, func)
                 raise
             if func is not _SCALAR:
                 out = self.values.shaped(func, args, kwargs)
@@ -287,97 +276,26 @@ class _Operators(DispatchMode):
         return out
 
 
-@contextlib.contextmanager
-def _cuda_autocast_on_cpu() -> Iterator[None]:
-    """``torch.autocast("cuda", dtype)`` turns on CPU autocast with `dtype` (float16 where
-    none is given, CUDA's default), casting GPU tensors by CUDA's rules
-    (:class:`~torchmem.estimator.autocast.CudaRules`, put in place at the first such
-    block), until the block ends."""
-    original = torch.autocast.__init__
-    rules = CudaRules(lambda tensor: tensor.device is GPU_AS_CPU)
-    used = False
-
-    def init(
-        self: torch.autocast,
-        device_type: str,
-        dtype: torch.dtype | None = None,
-        enabled: bool = True,
-        cache_enabled: bool | None = None,
-    ) -> None:
-        nonlocal used
-        if device_type == "cuda":
-            device_type, dtype = "cpu", dtype or torch.float16
-            if not used:
-                used = True
-                rules.__enter__()
-        original(self, device_type, dtype, enabled, cache_enabled)
-
-    torch.autocast.__init__ = init  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        torch.autocast.__init__ = original  # type: ignore[method-assign]
-        if used:
-            rules.__exit__()
+def _refuse_real(func: Any, real: torch.Tensor) -> NoReturn:
+    """Refuse the tensor `real`, given to `func`: only what the estimate makes is fake."""
+    raise EstimateError(
+        f"{func} at {user_line()} was given a real tensor ({real.dtype}"
+        f" {tuple(real.shape)} on {real.device}), made before the estimate began (a"
+        " global, a closure's, a module's built outside): an estimate fakes only what"
+        " it makes. Build it inside the function; the real one was left unchanged."
+    )
 
 
-@contextlib.contextmanager
-def _compiles_seen(seen: list[bool]) -> Iterator[None]:
-    """``torch.compile`` appends True to `seen` at each call, until the block ends."""
-    original = torch.compile
-
-    def compile(*args: Any, **kwargs: Any) -> Any:
-        seen.append(True)
-        return original(*args, **kwargs)
-
-    torch.compile = compile
-    try:
-        yield
-    finally:
-        torch.compile = original
-
-
-@contextlib.contextmanager
-def _swaps_forgetting(mode: Any) -> Iterator[None]:
-    """``module.to()`` and ``module.half()`` swap each fake parameter with its converted
-    self (``torch.utils.swap_tensors``), which fails while `mode` holds a weak reference
-    to either: it drops them first, until the block ends."""
-    original = torch.utils.swap_tensors
-
-    def swap(first: torch.Tensor, second: torch.Tensor) -> None:
-        forget_converted(mode)
-        original(first, second)  # type: ignore[no-untyped-call]
-
-    torch.utils.swap_tensors = swap
-    try:
-        yield
-    finally:
-        torch.utils.swap_tensors = original
-
-
-@contextlib.contextmanager
-def _foreach_optimizers() -> Iterator[None]:
-    """Optimizers left to choose their implementation take the one they take on CUDA
-    (``foreach``: whole lists of tensors per operator, with their temporaries), not the
-    CPU's one tensor at a time, until the block ends."""
-    chosen: list[dict[str, Any]] = []
-
-    def before(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        for group in optimizer.param_groups:
-            if group.get("foreach", False) is None and not group.get("fused"):
-                group["foreach"] = True
-                chosen.append(group)
-
-    def after(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        while chosen:
-            chosen.pop()["foreach"] = None
-
-    handles = [register_optimizer_step_pre_hook(before), register_optimizer_step_post_hook(after)]
-    try:
-        yield
-    finally:
-        for handle in handles:
-            handle.remove()
+def _note_fake_kernel(exc: Exception, func: Any) -> None:
+    """Add to `exc`, a RuntimeError that `func` raised on fake tensors, where it was
+    called and why (Python 3.11 on: none before)."""
+    note = getattr(exc, "add_note", None)
+    if isinstance(exc, RuntimeError) and note is not None:
+        note(
+            f"torchmem estimate: raised by {func} on fake tensors (its meta"
+            f" kernel), called at {user_line()}; where the same code runs on"
+            " real tensors, the fake kernel refuses what the real one accepts."
+        )
 
 
 _GROUPED_MM: Any = getattr(getattr(aten, "_grouped_mm", None), "default", None)
@@ -440,32 +358,18 @@ def run_fake(
     operators = _Operators(meter)
     watcher = Watcher(address=_address)
     watcher.use(notes=Notes())
-    base = 0
     compiled: list[bool] = []
     with contextlib.ExitStack() as stack:
-        stack.enter_context(_compiles_seen(compiled))
+        stack.enter_context(compiles_seen(compiled))
         in_process = stack.enter_context(loaders_in_process())
         if cuda:
-            stack.enter_context(_cuda_autocast_on_cpu())
-            stack.enter_context(_foreach_optimizers())
+            stack.enter_context(cuda_autocast_on_cpu())
+            stack.enter_context(foreach_optimizers())
         mode = fake_mode()
-        stack.enter_context(_swaps_forgetting(mode))
+        stack.enter_context(swaps_forgetting(mode))
         stack.enter_context(OnFakeCpu(meter if cuda else None))
         stack.enter_context(mode)
-        seen: set[int] = set()
-
-        def fake(tensor: torch.Tensor) -> torch.Tensor:
-            nonlocal base
-            storage = tensor.untyped_storage()
-            if storage_key(storage) not in seen:
-                seen.add(storage_key(storage))
-                base += storage.nbytes()
-            faked = mode.from_tensor(tensor)
-            meter.on_gpu.add(storage_key(faked.untyped_storage()))
-            return faked  # type: ignore[no-any-return]
-
-        args = tuple(fake(a) if isinstance(a, torch.Tensor) else a for a in args)
-        kwargs = {k: fake(v) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+        args, kwargs, base = _faked(mode, meter, args, kwargs)
         start = time.monotonic_ns()
         window = meter.window()
         stack.callback(window.close)
@@ -494,3 +398,26 @@ def run_fake(
         in_process.loaders,
         stop,
     )
+
+
+def _faked(
+    mode: Any, meter: _LoggedMeter, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any], int]:
+    """`args` and `kwargs` with each tensor faked in `mode` (as on the GPU, for a CUDA
+    target), and the bytes of the real tensors' storages, each counted once."""
+    seen: set[int] = set()
+    base = 0
+
+    def fake(tensor: torch.Tensor) -> torch.Tensor:
+        nonlocal base
+        storage = tensor.untyped_storage()
+        if storage_key(storage) not in seen:
+            seen.add(storage_key(storage))
+            base += storage.nbytes()
+        faked = mode.from_tensor(tensor)
+        meter.on_gpu.add(storage_key(faked.untyped_storage()))
+        return faked  # type: ignore[no-any-return]
+
+    args = tuple(fake(a) if isinstance(a, torch.Tensor) else a for a in args)
+    kwargs = {k: fake(v) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+    return args, kwargs, base

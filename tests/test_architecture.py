@@ -11,6 +11,7 @@ CPython's private symbols are used in ``torchmem._compat`` alone.
 from __future__ import annotations
 
 import ast
+import textwrap
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -279,6 +280,42 @@ fine = torch.cuda.memory_allocated
 def test_no_module_is_over_500_lines(module: str) -> None:
     lines = len(MODULES[module].read_text().splitlines())
     assert lines <= MAX_LINES, f"{module} has {lines} lines"
+
+
+MAX_FUNCTION_LINES = 60
+
+
+def long_functions(source: str) -> Iterator[tuple[int, str, int]]:
+    """``(line, name, lines)`` of each function or method in `source` longer than
+    MAX_FUNCTION_LINES, counted from its ``def`` to its last line: its decorators are left
+    out, and a nested function counts on its own and inside its parent."""
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            lines = (node.end_lineno or node.lineno) - node.lineno + 1
+            if lines > MAX_FUNCTION_LINES:
+                yield node.lineno, node.name, lines
+
+
+def test_no_function_is_over_60_lines() -> None:
+    wrong = [
+        f"{path.relative_to(SRC.parent)}:{line} {name} ({lines} lines)"
+        for path in MODULES.values()
+        for line, name, lines in long_functions(path.read_text())
+    ]
+    assert not wrong, f"functions over {MAX_FUNCTION_LINES} lines, to split: {wrong}"
+
+
+def test_the_long_function_finder_counts_as_said() -> None:
+    body = "x = 1\n" * (MAX_FUNCTION_LINES - 2) + "return x\n"
+    source = (
+        "@decorator\n@decorator\ndef fits():\n"  # 60 lines from its def, 62 from its decorator
+        + textwrap.indent(body, " " * 4)
+        + "class C:\n    def over(self):\n        def inner():\n"  # inner: 60; over: 62
+        + textwrap.indent(body, " " * 12)
+        + "        return inner\n"
+    )
+    line = source.splitlines().index("    def over(self):") + 1
+    assert list(long_functions(source)) == [(line, "over", MAX_FUNCTION_LINES + 2)]
 
 
 def exception_classes(source: str) -> Iterator[str]:

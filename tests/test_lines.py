@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import torchmem.lines
-import torchmem.lines.recording
+import torchmem.lines.state
 from standins import (
     CudaStandIn,
     GiB,
@@ -34,7 +34,7 @@ from standins import (
 )
 from torchmem import LineProfiler, meter, profile, profile_every, set_target_gpu, valid_columns
 from torchmem.errors import TorchmemError
-from torchmem.lines.recording import LineTally
+from torchmem.lines.state import LineTally
 from torchmem.meters import CpuAllocatorMeter
 from torchmem.meters.cpu import COUNTS, counters_of
 from torchmem.units import readable_size
@@ -198,7 +198,7 @@ def test_on_the_counting_allocator_lines_record_what_the_dicts_of_any_meter_give
     fast = profiled()
     assert alive() == base
     # Every meter but the counting allocator's is read through its dicts.
-    monkeypatch.setattr(torchmem.lines.recording, "CpuAllocatorMeter", type(None))
+    monkeypatch.setattr(torchmem.lines.state, "CpuAllocatorMeter", type(None))
     assert profiled() == fast
     number = busy.__code__.co_firstlineno + 4  # nothing = len(kept)
     ((hits, _, line),) = [row for row in fast[0] if row[1] == number]

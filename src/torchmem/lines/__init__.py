@@ -1,7 +1,7 @@
 """The line profiler: the memory each line of the watched functions peaked and kept.
 
 One module per concern: :mod:`~torchmem.lines.columns` (what can be shown),
-:mod:`~torchmem.lines.recording` (what is recorded, and the calls being measured),
+:mod:`~torchmem.lines.state` (what is recorded, and the calls being measured),
 :mod:`~torchmem.lines.settrace` and :mod:`~torchmem.lines.monitoring` (where events come
 from), :mod:`~torchmem.lines.profiler` (``LineProfiler``),
 :mod:`~torchmem.lines.wrapping` (decorating every kind of function and method) and

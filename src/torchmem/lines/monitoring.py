@@ -9,7 +9,7 @@ import types
 from typing import Any
 
 from torchmem._compat import getframe
-from torchmem.lines.recording import Call, Recording
+from torchmem.lines.state import Call, ProfilerState
 
 
 class Monitoring:
@@ -21,11 +21,11 @@ class Monitoring:
         self.api = api
         """``sys.monitoring``."""
         self.tool = tool
-        self.recordings: list[Recording] = []
+        self.recordings: list[ProfilerState] = []
         self.codes: list[types.CodeType] = []
 
     @classmethod
-    def join(cls, recording: Recording) -> MonitoredRecording | None:
+    def join(cls, recording: ProfilerState) -> MonitoredRecording | None:
         """Send `recording` this process's events; None where ``sys.monitoring`` is missing
         (Python < 3.12) or has no free tool id (use :class:`~torchmem.lines.settrace.Settrace`
         then)."""
@@ -43,7 +43,7 @@ class Monitoring:
         _active.update()
         return MonitoredRecording(_active, recording)
 
-    def leave(self, recording: Recording) -> None:
+    def leave(self, recording: ProfilerState) -> None:
         global _active
         if recording not in self.recordings:
             return
@@ -129,9 +129,9 @@ _active: Monitoring | None = None
 
 class MonitoredRecording:
     """One recording's membership of the process's :class:`Monitoring`: the
-    :class:`~torchmem.lines.recording.Backend` its profiler drives."""
+    :class:`~torchmem.lines.state.Backend` its profiler drives."""
 
-    def __init__(self, monitoring: Monitoring, recording: Recording) -> None:
+    def __init__(self, monitoring: Monitoring, recording: ProfilerState) -> None:
         self.monitoring = monitoring
         self.recording = recording
 

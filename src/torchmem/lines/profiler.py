@@ -1,6 +1,6 @@
 """The line profiler: the memory each line of the watched functions peaked and kept.
 
-pytorch_memlab's ``LineProfiler`` on peak windows (see :mod:`~torchmem.lines.recording`),
+pytorch_memlab's ``LineProfiler`` on peak windows (see :mod:`~torchmem.lines.state`),
 on a GPU through the caching allocator and on CPU tensors through the tensor meter alike.
 Only the watched functions pay per line: on Python 3.12+ ``sys.monitoring`` sends events
 for their code objects alone (:mod:`~torchmem.lines.monitoring`); before that, a
@@ -22,8 +22,8 @@ import torch
 
 from torchmem.lines.columns import check_columns
 from torchmem.lines.monitoring import Monitoring
-from torchmem.lines.recording import Recording, WatchedFunction
 from torchmem.lines.settrace import Settrace
+from torchmem.lines.state import ProfilerState, WatchedFunction
 from torchmem.lines.wrapping import wrap_calls
 from torchmem.meters import Meter, meter
 from torchmem.records.lines import FunctionRecord
@@ -91,7 +91,7 @@ class LineProfiler:
         if device is not None:
             meter(device)  # a bad device fails here, naming itself
         self._settings = _Settings(device, _gpu_index(target_gpu))
-        self._recording = Recording(self._settings.meter)
+        self._recording = ProfilerState(self._settings.meter)
         # The tracer holds the recording while profiling is on, never the profiler: one
         # dropped while enabled is switched off, and the tracers before it are back.
         weakref.finalize(self, _switch_off, self._recording)
@@ -280,7 +280,7 @@ class _Settings:
         return meter(self.measured())
 
 
-def _switch_off(recording: Recording) -> None:
+def _switch_off(recording: ProfilerState) -> None:
     """Switch off a dropped profiler's `recording`, if it is on, in every thread: its hook
     leaves this thread now, the other threads it was on in at their next call once no
     profiler is on (only a thread can change its own tracer); the calls it was measuring

@@ -14,7 +14,7 @@ import threading
 import types
 from typing import Any
 
-from torchmem.lines.recording import Call, Recording, WatchedFunction
+from torchmem.lines.state import Call, ProfilerState, WatchedFunction
 
 TraceFunction = Any
 """A ``sys.settrace`` trace function (``None`` for none)."""
@@ -28,7 +28,7 @@ class TracedCall(Call):
     __slots__ = ("chained",)
 
     def __init__(
-        self, recording: Recording, function: WatchedFunction, chained: TraceFunction
+        self, recording: ProfilerState, function: WatchedFunction, chained: TraceFunction
     ) -> None:
         super().__init__(recording, function)
         self.chained = chained
@@ -123,7 +123,7 @@ class Settrace:
     __slots__ = ("only", "recordings", "thread_chained", "thread_hook", "threads", "watched")
 
     def __init__(self) -> None:
-        self.recordings: list[Recording] = []
+        self.recordings: list[ProfilerState] = []
         self.watched: set[int] = set()
         """``id()`` of every watched code object."""
         self.only: types.CodeType | None = None
@@ -136,7 +136,7 @@ class Settrace:
         self.thread_hook = self._thread_hook()
 
     @classmethod
-    def join(cls, recording: Recording) -> TracedRecording:
+    def join(cls, recording: ProfilerState) -> TracedRecording:
         """Trace the watched functions of `recording` from now on."""
         global _active
         with _lock:
@@ -147,7 +147,7 @@ class Settrace:
             _active.update()
             return TracedRecording(_active, recording)
 
-    def leave(self, recording: Recording) -> None:
+    def leave(self, recording: ProfilerState) -> None:
         global _active
         with _lock:
             if recording in self.recordings:
@@ -237,9 +237,9 @@ _active: Settrace | None = None
 
 class TracedRecording:
     """One recording's membership of the process's :class:`Settrace`: the
-    :class:`~torchmem.lines.recording.Backend` its profiler drives."""
+    :class:`~torchmem.lines.state.Backend` its profiler drives."""
 
-    def __init__(self, tracer: Settrace, recording: Recording) -> None:
+    def __init__(self, tracer: Settrace, recording: ProfilerState) -> None:
         self.tracer = tracer
         self.recording = recording
 

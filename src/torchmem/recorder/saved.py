@@ -8,8 +8,6 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-import torch
-
 from torchmem._compat import (
     lookup,
     pop_saved_tensors_hooks,
@@ -18,7 +16,9 @@ from torchmem._compat import (
     top_saved_tensors_hooks,
 )
 
-_DISABLE = lookup("torch._C._autograd._saved_tensors_hooks_disable")
+_AUTOGRAD = lookup("torch._C._autograd")
+_BINDING = "_saved_tensors_hooks_disable"
+_DISABLE = lookup(f"torch._C._autograd.{_BINDING}")
 if "fail_if_non_empty" not in (getattr(_DISABLE, "__doc__", None) or ""):
     _DISABLE = None  # a PyTorch whose binding always refuses: torch.func raises under us
 
@@ -63,15 +63,15 @@ class StepAside:
     def watch(self, pack: Callable[..., Any]) -> None:
         with self._lock:
             if not self._packs and _DISABLE is not None:
-                self._original = torch._C._autograd._saved_tensors_hooks_disable
-                torch._C._autograd._saved_tensors_hooks_disable = self._disable
+                self._original = getattr(_AUTOGRAD, _BINDING)
+                setattr(_AUTOGRAD, _BINDING, self._disable)
             self._packs.add(pack)
 
     def forget(self, pack: Callable[..., Any]) -> None:
         with self._lock:
             self._packs.discard(pack)
             if not self._packs and self._original is not None:
-                torch._C._autograd._saved_tensors_hooks_disable = self._original
+                setattr(_AUTOGRAD, _BINDING, self._original)
                 self._original = None
 
     def _disable(self, message: str, fail_if_non_empty: bool = True) -> None:

@@ -24,7 +24,7 @@ from torchmem.meters.cpu import COUNTS, counters_of
 from torchmem.records.lines import FunctionRecord, LineRecord
 
 
-class Recording:
+class ProfilerState:
     """A line profiler's watched functions, what their lines recorded, and the calls being
     measured now. The back ends look functions up by code object and report each call's
     lines and end to its :class:`Call`."""
@@ -183,11 +183,13 @@ class Call:
         "window",
     )
 
-    def __init__(self, recording: Recording, function: WatchedFunction, key: object = None) -> None:
+    def __init__(
+        self, recording: ProfilerState, function: WatchedFunction, key: object = None
+    ) -> None:
         self.recording = recording
         self.function = function
         self.key = self if key is None else key
-        """Its key in :attr:`Recording.running`."""
+        """Its key in :attr:`ProfilerState.running`."""
         self.thread = threading.get_ident()
         self.lock = threading.Lock()
         self.ended = False

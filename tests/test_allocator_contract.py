@@ -19,8 +19,8 @@ import torch
 
 from standins import MiB
 from torchmem import meter
+from torchmem.events.tally import ALLOC, FREE, KIND, PTR, REF, SIZE
 from torchmem.meters import CpuAllocatorMeter
-from torchmem.recorder.tally import ALLOC, FREE, KIND, PTR, REF, SIZE
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux's limits")
 
@@ -185,7 +185,7 @@ def test_every_free_names_its_allocation_through_growth_and_deletions(counting):
 WHILE_ANOTHER_HOLDS_THE_GIL = """
 import ctypes, threading, time, torch
 from torchmem.meters import native
-from torchmem.recorder.tally import ALLOC, KIND, SITE
+from torchmem.events.tally import ALLOC, KIND, SITE
 
 torch.set_num_threads(1)
 library = native.load()

@@ -1,7 +1,8 @@
 """The package's layers, read from its own imports with ``ast``.
 
 Data flows one way (``docs/architecture.md``): base modules and records at the bottom,
-then meters, then collectors beside renderers, then front ends. Nothing imports upward,
+then meters, then the event engine (``torchmem.events``), then collectors beside
+renderers, then front ends. Nothing imports upward,
 no two modules import each other (directly or round a circle), renderers read records
 and sizes only, collectors reach a renderer only from inside a function (to print a
 report), private names stay in the module that defines them, and PyTorch's and
@@ -31,7 +32,7 @@ COLLECTORS = {
     "torchmem.cells",
     "torchmem.devices",
     "torchmem.courtesy",
-    "torchmem.recorder",
+    "torchmem.recording",
     "torchmem.estimator",
     "torchmem.limits",
     "torchmem.ranks",
@@ -49,7 +50,7 @@ def layer(module: str) -> str:
             return name
     if module == "torchmem":
         return "front ends"
-    for name in ("records", "meters", "render"):
+    for name in ("records", "meters", "events", "render"):
         if module == f"torchmem.{name}" or module.startswith(f"torchmem.{name}."):
             return name
     raise AssertionError(f"{module} belongs to no layer: add it to one in {__file__}")
@@ -59,9 +60,10 @@ MAY_IMPORT = {
     "base": {"base"},
     "records": {"base", "records"},
     "meters": {"base", "records", "meters"},
+    "events": {"base", "records", "meters", "events"},
     "render": {"base", "records", "render"},
-    "collectors": {"base", "records", "meters", "collectors"},
-    "front ends": {"base", "records", "meters", "render", "collectors", "front ends"},
+    "collectors": {"base", "records", "meters", "events", "collectors"},
+    "front ends": {"base", "records", "meters", "events", "render", "collectors", "front ends"},
 }
 """What each layer may import at module level. Collectors may also import renderers
 inside a function, to print a report."""

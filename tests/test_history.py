@@ -17,7 +17,7 @@ import torch
 
 import torchmem
 from standins import HistoryStandIn
-from torchmem.recorder import history
+from torchmem.events import history
 
 ENTRIES = 1_000_000
 OURS = {"context": "alloc", "stacks": "python", "max_entries": ENTRIES}

@@ -319,7 +319,7 @@ def test_the_fallback_meter_reports_peaks_without_an_event_log() -> None:
 
 def test_cuda_allocator_history_becomes_an_event_log() -> None:
     """The CUDA path's conversion, on a trace shaped as ``_snapshot()["device_traces"][i]``."""
-    from torchmem.recorder.sources import cuda_events
+    from torchmem.events.sources import cuda_events
 
     inside_torch = {"filename": torch.nn.modules.module.__file__, "line": 1, "name": "_call_impl"}
     mine = {"filename": "/home/me/train.py", "line": 7, "name": "step"}
@@ -346,7 +346,7 @@ def test_cuda_allocations_count_their_blocks_bytes() -> None:
     """The history records requested bytes; the log counts the block, as
     ``memory_allocated()`` does: a request leaving under 1 MiB of its 20 MiB segment takes
     the whole segment, and a small one its size rounded up to 512 bytes."""
-    from torchmem.recorder.sources import cuda_events
+    from torchmem.events.sources import cuda_events
 
     request = 19 * MiB + 1
     segments = [

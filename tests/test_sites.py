@@ -17,13 +17,13 @@ from torch import nn
 
 import torchmem
 from standins import MiB
+from torchmem.events.analysis import Names, device_run
+from torchmem.events.hooks import Watcher
+from torchmem.events.notes import Notes, Tree
+from torchmem.events.sources import Log, cuda_events
+from torchmem.events.tally import CLOSE, HIT, OPEN
 from torchmem.meters import CpuAllocatorMeter, meter
 from torchmem.meters.native import CpuAllocatorLibrary
-from torchmem.recorder.analysis import Names, device_run
-from torchmem.recorder.hooks import Watcher
-from torchmem.recorder.notes import Notes, Tree
-from torchmem.recorder.sources import Log, cuda_events
-from torchmem.recorder.tally import CLOSE, HIT, OPEN
 from torchmem.records.frames import (
     BACKWARD,
     ENGINE,
@@ -116,7 +116,7 @@ FRAME_KINDS = [
     ("<eval_with_key>.3", "forward", OTHER),
     ("<string>", "f", OTHER),
     ("<frozen runpy>", "_run_code", OTHER),
-    ("/home/u/src/torchmem/recorder/session.py", "stop", OTHER),
+    ("/home/u/src/torchmem/recording.py", "stop", OTHER),
     (f"{ENV}/torch/autograd/graph.py", "_engine_run_backward", ENGINE),
     (f"{ENV}/torch/autograd/graph.py", "backward", OTHER),
     ("/usr/lib/python3.11/site-packages/einops/einops.py", "rearrange", LIBRARY),

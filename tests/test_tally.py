@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import torchmem
-from torchmem.recorder.tally import (
+from torchmem.events.tally import (
     ADOPT,
     ALLOC,
     CLOSE,

@@ -81,7 +81,7 @@ _EXPORTS = {
         "gather_reports",
         "RanksReport",
     ),
-    "torchmem.recorder": (
+    "torchmem.recording": (
         "record",
         "Recording",
         "RunReport",
@@ -212,7 +212,7 @@ if _typing.TYPE_CHECKING:
         RanksReport as RanksReport,
         gather_reports as gather_reports,
     )
-    from torchmem.recorder import (
+    from torchmem.recording import (
         Recording as Recording,
         RunReport as RunReport,
         record as record,

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Collection, Iterable
+from typing import cast
+
+import torch
 
 
 class _Verdicts(dict[type, bool]):
@@ -62,3 +65,19 @@ def instances_of(objects: Iterable[object], *bases: type) -> list[object]:
     in order; by class, as :func:`of_classes`."""
     objects = objects if isinstance(objects, list) else list(objects)
     return of_types(objects, subclasses(*bases))
+
+
+def models_and_optimizers(
+    objects: Iterable[object],
+) -> tuple[list[torch.nn.Module], list[torch.optim.Optimizer]]:
+    """The outermost modules among `objects` (those no other one contains), and the
+    optimizers, in the order found."""
+    modules: list[torch.nn.Module] = []
+    optimizers: list[torch.optim.Optimizer] = []
+    for obj in instances_of(objects, torch.nn.Module, torch.optim.Optimizer):
+        if isinstance(obj, torch.nn.Module):
+            modules.append(obj)
+        else:
+            optimizers.append(cast("torch.optim.Optimizer", obj))
+    inner = {id(child) for m in modules for child in m.modules() if child is not m}
+    return [m for m in modules if id(m) not in inner], optimizers

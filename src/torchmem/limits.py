@@ -18,7 +18,7 @@ from dataclasses import replace
 
 from torchmem._compat import getframe, thread_frames
 from torchmem.meters import Meter, TensorMeter, Window, meter
-from torchmem.recorder import Recording
+from torchmem.recording import Recording
 from torchmem.records import TOP
 from torchmem.records.frames import SiteKey
 from torchmem.records.limits import Elsewhere, Limit, Origin, Usage, Verdict

@@ -20,11 +20,12 @@ from typing import TextIO, cast
 import psutil
 import torch
 
+from torchmem._objects import models_and_optimizers
 from torchmem.errors import TorchmemWarning
 from torchmem.records.oom import Hint, OOMRecord
 from torchmem.records.tensors import TensorRecord
 from torchmem.resolve import DeviceLike, parse_device, resolve_device
-from torchmem.tensors import MemReporter, discover
+from torchmem.tensors import MemReporter
 from torchmem.units import parse_size
 
 _OOM_MESSAGES = ("out of memory", "can't allocate memory")  # CUDA and MPS; the CPU allocator
@@ -176,7 +177,7 @@ def _live_tensors(
 def _snapshot(
     device: str, model: torch.nn.Module | None, objects: Callable[[], Iterable[object]]
 ) -> list[TensorRecord]:
-    roots, optimizers = discover(objects())
+    roots, optimizers = models_and_optimizers(objects())
     if model is None and len(roots) == 1:
         model = roots[0]
     reporter = MemReporter(model, objects=objects)

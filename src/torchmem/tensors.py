@@ -243,22 +243,6 @@ def tensors_in(objects: Iterable[object]) -> list[torch.Tensor]:
     return cast("list[torch.Tensor]", instances_of(objects, torch.Tensor))
 
 
-def discover(
-    objects: Iterable[object],
-) -> tuple[list[torch.nn.Module], list[torch.optim.Optimizer]]:
-    """The outermost modules among `objects` (those no other one contains), and the
-    optimizers, in the order found."""
-    modules: list[torch.nn.Module] = []
-    optimizers: list[torch.optim.Optimizer] = []
-    for obj in instances_of(objects, torch.nn.Module, torch.optim.Optimizer):  # as in tensors_in
-        if isinstance(obj, torch.nn.Module):
-            modules.append(obj)
-        else:
-            optimizers.append(cast("torch.optim.Optimizer", obj))
-    inner = {id(child) for m in modules for child in m.modules() if child is not m}
-    return [m for m in modules if id(m) not in inner], optimizers
-
-
 def _storage_bytes(tensor: torch.Tensor) -> int:
     try:
         return tensor.untyped_storage().nbytes()

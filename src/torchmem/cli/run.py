@@ -23,7 +23,7 @@ from torchmem.records import TOP
 
 if TYPE_CHECKING:
     from torchmem.ranks import Launch, RanksReport
-    from torchmem.recorder import Recording, RunReport
+    from torchmem.recording import Recording, RunReport
 
 INTERRUPTED = 130
 """The exit code of a script that Ctrl-C ended (128 + SIGINT), where it is not a signal:
@@ -109,7 +109,7 @@ class RunCommand(Command):
                 setattr(args, option, _writable(getattr(args, option), option))
 
         from torchmem.ranks import Launch  # PyTorch: not before the usage is known good
-        from torchmem.recorder import record
+        from torchmem.recording import record
 
         try:
             recording = record(args.device, sites=args.sites)

@@ -29,8 +29,8 @@ from torchmem.estimator.allocator import (
     expandable_segments,
 )
 from torchmem.estimator.fake import FakeRun, run_fake
-from torchmem.recorder.analysis import Names, device_run, module_peaks
-from torchmem.recorder.sources import NO_SITE, Log
+from torchmem.events.analysis import Names, device_run, module_peaks
+from torchmem.events.sources import NO_SITE, Log
 from torchmem.records import TOP
 from torchmem.records.estimate import EstimateRecord
 from torchmem.records.run import DeviceRun, ModulePeak

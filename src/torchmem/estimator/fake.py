@@ -4,7 +4,7 @@ Under a ``FakeTensorMode`` every tensor the function makes has its shape, dtype 
 device, but no memory; operators compute only those. The tensor meter, watching the fake
 CPU device, counts each new storage exactly as a real CPU run allocates it, and this log
 keeps them in order, with the user's line that made each one. PyTorch's global hooks
-(:class:`~torchmem.recorder.hooks.Watcher`) say which storages were parameters,
+(:class:`~torchmem.events.hooks.Watcher`) say which storages were parameters,
 gradients, optimizer state and activations, and when each module ran.
 
 For a CUDA target the run still happens on the fake CPU device (fake CUDA tensors cannot
@@ -48,10 +48,10 @@ from torchmem.estimator.patches import (
 )
 from torchmem.estimator.placement import OnFakeCpu, any_on, mark, real_tensor
 from torchmem.estimator.values import Values, user_line, values_read
+from torchmem.events.hooks import Watcher
+from torchmem.events.notes import Notes
+from torchmem.events.sources import NO_SITE, Log
 from torchmem.meters.tensor import TensorMeter
-from torchmem.recorder.hooks import Watcher
-from torchmem.recorder.notes import Notes
-from torchmem.recorder.sources import NO_SITE, Log
 from torchmem.records.frames import (
     BACKWARD,
     ENGINE,

@@ -18,7 +18,7 @@
 // torchmem.records.frames.choose picks from the allocating thread's Python stack (compiled
 // in where Python's headers are found, TORCHMEM_PYTHON), and the whole stack the first
 // time a site is seen. The log is a stream of rows that Python drains as it fills
-// (torchmem.recorder.tally counts them): a free names its allocation by sequence number,
+// (torchmem.events.tally counts them): a free names its allocation by sequence number,
 // and Python adds rows of its own in order (what a storage is, a module's pass starting).
 //
 // What this file relies on -------------------------------------------------------------
@@ -176,14 +176,14 @@ int64_t forget_paged(void* data) noexcept {
 
 // The recording ------------------------------------------------------------------------
 
-// One row of the stream torchmem.recorder.tally reads, as six int64 in this order.
+// One row of the stream torchmem.events.tally reads, as six int64 in this order.
 struct Event {
   int64_t time_ns;  // steady clock: CLOCK_MONOTONIC, as Python's time.monotonic_ns()
   int64_t ptr;      // the data pointer (a probe: its number)
   int64_t size;     // bytes; negative for a free
   int64_t site;     // an allocation's site index (or kNoSite, kNoPython, kNoFrame); payload
   int64_t ref;      // the sequence number of the allocation a free, mark or adoption names
-  int64_t kind;     // kAlloc, kFree, or what Python noted (torchmem.recorder.tally.KINDS)
+  int64_t kind;     // kAlloc, kFree, or what Python noted (torchmem.events.tally.KINDS)
 };
 static_assert(sizeof(Event) == 6 * sizeof(int64_t), "six int64");
 

@@ -156,7 +156,7 @@ class CpuAllocatorLibrary:
 
     def take(self, rows: int) -> np.ndarray:
         """Move up to `rows` of the log's oldest rows out of it, as an int64 array of
-        shape (n, 6): the columns of :mod:`torchmem.recorder.tally` (time on
+        shape (n, 6): the columns of :mod:`torchmem.events.tally` (time on
         ``time.monotonic_ns()``'s clock, data pointer, bytes (negative for a free), site
         index (:data:`NO_PYTHON_SITE`, :data:`NO_FRAME_SITE`, or -1: none), the sequence
         number a free names (-1: allocated before the log started), kind)."""

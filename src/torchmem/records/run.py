@@ -1,6 +1,6 @@
 """A recording's records: where a run's memory went, per device, in bytes and seconds.
 
-Made by :mod:`torchmem.recorder` (``torchmem run``, ``torchmem.record()``); read by the
+Made by :mod:`torchmem.events` (``torchmem run``, ``torchmem.record()``); read by the
 renderers in :mod:`torchmem.render.run`. :meth:`RunRecord.to_json` is the documented JSON
 contract.
 """

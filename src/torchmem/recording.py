@@ -16,12 +16,12 @@ import torch
 
 from torchmem._compat import getframe
 from torchmem.errors import TorchmemError, UsageError
+from torchmem.events.analysis import Names, device_run, laps_run, module_peaks
+from torchmem.events.hooks import Watcher
+from torchmem.events.notes import Notes
+from torchmem.events.sources import CpuLog, CudaLog, Laps, Tallied
 from torchmem.meters import meter
 from torchmem.meters.ram import RamMeter
-from torchmem.recorder.analysis import Names, device_run, laps_run, module_peaks
-from torchmem.recorder.hooks import Watcher
-from torchmem.recorder.notes import Notes
-from torchmem.recorder.sources import CpuLog, CudaLog, Laps, Tallied
 from torchmem.records import TOP
 from torchmem.records.frames import SiteKey
 from torchmem.records.run import DeviceRun, ModulePeak, RunRecord
@@ -183,7 +183,7 @@ class Recording:
         """
         import pickle
 
-        from torchmem.recorder.snapshot_export import snapshot
+        from torchmem.events.export import snapshot
 
         if not self._stopped:
             raise UsageError("stop the recording (leave its with-block) before saving it")

@@ -7,7 +7,7 @@ was: a parameter, a gradient, ...) and a probe (a module's forward or backward p
 opening, reaching an end, closing). A row's sequence number is its place in the stream;
 a free, an adoption and a mark name the allocation they concern by its sequence number
 (:data:`REF`), which the producer (the counting allocator, or
-:func:`~torchmem.recorder.sources.stream`) tells from the address. A storage made before
+:func:`~torchmem.events.sources.stream`) tells from the address. A storage made before
 the stream started is adopted when a mark first names it: it was alive all along.
 
 :class:`Tally` keeps only what the report reads: the allocations alive now and those
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from torchmem.recorder.table import Table
+from torchmem.events.table import Table
 
 TIME, PTR, SIZE, SITE, REF, KIND = range(6)
 COLUMNS = 6

@@ -9,7 +9,7 @@ CPU run as they open a CUDA one.
   ``active_allocated`` block (reserved equals allocated), and the trace has, for each
   allocation, ``segment_alloc`` then ``alloc``, and for each free ``free_requested``,
   ``free_completed`` then ``segment_free``: for the latest
-  :data:`~torchmem.recorder.tally.WINDOW` allocations and frees (the tally keeps no
+  :data:`~torchmem.events.tally.WINDOW` allocations and frees (the tally keeps no
   more), as PyTorch's own history keeps only its latest actions. Frames are the
   allocating line of the user's code (one frame; none for storages that were alive when
   the recording started). The CPU's index in ``device_traces`` is the one after the
@@ -21,8 +21,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from torchmem.recorder.sources import Tallied
-from torchmem.recorder.tally import BEFORE_SITE, PTR, SITE, SIZE, TIME
+from torchmem.events.sources import Tallied
+from torchmem.events.tally import BEFORE_SITE, PTR, SITE, SIZE, TIME
 from torchmem.records.snapshot import DEVICE_NAMES
 
 Frame = dict[str, Any]

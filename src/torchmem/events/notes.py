@@ -10,7 +10,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from torchmem.recorder.tally import MARK
+from torchmem.events.tally import MARK
 
 NOTES = 1 << 18
 """Marks and probes a :class:`Notes` buffer keeps at most (the latest)."""

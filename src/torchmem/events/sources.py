@@ -21,13 +21,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from torchmem.meters import Meter, Window, meter
-from torchmem.meters.base import background_thread
-from torchmem.meters.cpu import CpuAllocatorMeter
-from torchmem.meters.native import NO_FRAME_SITE, NO_PYTHON_SITE, CpuAllocatorLibrary
-from torchmem.recorder import history
-from torchmem.recorder.notes import NameTable, Notes
-from torchmem.recorder.tally import (
+from torchmem.events import history
+from torchmem.events.notes import NameTable, Notes
+from torchmem.events.tally import (
     ALLOC,
     COLUMNS,
     FREE,
@@ -40,6 +36,10 @@ from torchmem.recorder.tally import (
     TIME,
     Tally,
 )
+from torchmem.meters import Meter, Window, meter
+from torchmem.meters.base import background_thread
+from torchmem.meters.cpu import CpuAllocatorMeter
+from torchmem.meters.native import NO_FRAME_SITE, NO_PYTHON_SITE, CpuAllocatorLibrary
 from torchmem.records.caching import KINDS, trace_blocks
 from torchmem.records.frames import (
     BACKWARD,
@@ -114,7 +114,7 @@ class Tallied:
     frame (a thread Python does not know: intra-op workers)."""
     reserved_peak: int | None = None
     lost_notes: int = 0
-    """Marks and probes too old to be kept (see :class:`~torchmem.recorder.notes.Notes`)."""
+    """Marks and probes too old to be kept (see :class:`~torchmem.events.notes.Notes`)."""
     lost_rows: int = 0
     """Rows the CPU log had no memory for (see :meth:`CpuAllocatorLibrary.dropped_rows`)."""
 
@@ -122,7 +122,7 @@ class Tallied:
 def stream(events: np.ndarray, notes: Notes | None, device: str | None) -> np.ndarray:
     """`events` (rows of :attr:`Log.events`) and the marks (of `device`; None: of every
     device) and probes of `notes`, merged in time order into the rows of
-    :mod:`torchmem.recorder.tally`'s stream: a free names its allocation's row, a mark the
+    :mod:`torchmem.events.tally`'s stream: a free names its allocation's row, a mark the
     allocation alive at its address then."""
     events = events.reshape(-1, 5)
     held = notes.rows if notes is not None else ()

@@ -10,7 +10,7 @@ optimizer state or an activation. The tally gives each allocation the first cate
 Each module's forward call is a probe that opens and closes; so is its backward, from the
 moment the gradient of one of its outputs is ready to the last moment a gradient of one of
 its inputs (or, where no input needs one, of its parameters) is. Marks and probes go, as
-rows of :mod:`torchmem.recorder.tally`'s stream, to a :class:`Sink`: the counting
+rows of :mod:`torchmem.events.tally`'s stream, to a :class:`Sink`: the counting
 allocator's log for CPU tensors (in order with its allocations), a :class:`Notes` buffer
 for the others. Nothing the watcher keeps grows with the run's length.
 """
@@ -39,10 +39,10 @@ from torchmem._compat import (
     push_saved_tensors_hooks,
     saved_tensors_hooks_enabled,
 )
-from torchmem.recorder import saved
-from torchmem.recorder.notes import NameTable, Notes, Tree
-from torchmem.recorder.tally import CLOSE, HIT, MARK, OPEN
-from torchmem.tensors import discover
+from torchmem._objects import models_and_optimizers
+from torchmem.events import saved
+from torchmem.events.notes import NameTable, Notes, Tree
+from torchmem.events.tally import CLOSE, HIT, MARK, OPEN
 
 if TYPE_CHECKING:
     from torchmem.meters.native import CpuAllocatorLibrary
@@ -174,7 +174,7 @@ class Watcher:
         for handle in self._param_hooks.values():
             handle.remove()
         self._handles, self._pending, self._param_hooks, self._waiting = [], {}, {}, {}
-        roots, optimizers = discover(_within(held))
+        roots, optimizers = models_and_optimizers(_within(held))
         for root in roots:
             self._found_root(root)
             for module in root.modules():

@@ -1,4 +1,4 @@
-"""A tally's allocations, one per index of each column (see :mod:`torchmem.recorder.tally`)."""
+"""A tally's allocations, one per index of each column (see :mod:`torchmem.events.tally`)."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ class Table:
     cat: np.ndarray
     """Category index, :data:`~torchmem.records.run.CATEGORIES` order (4: other)."""
     name: np.ndarray
-    """Index of the mark payload that named it (:data:`~torchmem.recorder.tally.UNNAMED`)."""
+    """Index of the mark payload that named it (:data:`~torchmem.events.tally.UNNAMED`)."""
     owner: np.ndarray
     """For one autograd's engine made: the index of the module whose backward pass ran
     then; else -1."""

@@ -1,6 +1,6 @@
 """From a device's tally and the watcher's names to the records of a report.
 
-The tally (:mod:`torchmem.recorder.tally`) kept the allocations alive at the peak (the
+The tally (:mod:`torchmem.events.tally`) kept the allocations alive at the peak (the
 first row where use was highest) and at the end, each with the first category of
 :data:`~torchmem.records.run.CATEGORIES` a mark gave it while it was alive; here they are
 summed per category and per site, the largest named, and each module's highest use
@@ -16,12 +16,12 @@ from typing import Any
 
 import numpy as np
 
+from torchmem.events.hooks import Watcher
+from torchmem.events.notes import NameTable
+from torchmem.events.sources import NO_SITE, Laps, Tallied
+from torchmem.events.table import Table
+from torchmem.events.tally import UNNAMED, Tally
 from torchmem.meters.native import NO_PYTHON_SITE
-from torchmem.recorder.hooks import Watcher
-from torchmem.recorder.notes import NameTable
-from torchmem.recorder.sources import NO_SITE, Laps, Tallied
-from torchmem.recorder.table import Table
-from torchmem.recorder.tally import UNNAMED, Tally
 from torchmem.records.frames import NO_PYTHON, SiteKey
 from torchmem.records.run import CATEGORIES, DeviceRun, Held, ModulePeak, Site
 

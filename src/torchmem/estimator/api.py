@@ -34,6 +34,7 @@ from torchmem.events.sources import NO_SITE, Log
 from torchmem.records import TOP
 from torchmem.records.estimate import EstimateRecord
 from torchmem.records.run import DeviceRun, ModulePeak
+from torchmem.resolve import parse_device
 from torchmem.units import parse_size
 
 CONTEXT_BYTES = 512 * 2**20
@@ -378,7 +379,9 @@ class _Search:
 
 
 def _target(device: str) -> str:
-    kind = str(device).split(":")[0]
+    """The device type an estimate is for: spelled as PyTorch spells devices, but not
+    looked for on this machine (an estimate is for a GPU one may not have)."""
+    kind = parse_device(device).type
     if kind not in ("cuda", "cpu"):
         raise ValueError(f"cannot estimate for device {device!r}: use 'cuda' or 'cpu'")
     return kind

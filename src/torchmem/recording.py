@@ -25,7 +25,7 @@ from torchmem.meters.ram import RamMeter
 from torchmem.records import TOP
 from torchmem.records.frames import SiteKey
 from torchmem.records.run import DeviceRun, ModulePeak, RunRecord
-from torchmem.resolve import DeviceLike, resolve_device
+from torchmem.resolve import RAM, DeviceLike, measured
 
 
 @dataclass(frozen=True)
@@ -69,9 +69,8 @@ class Recording:
     :meth:`start` and :meth:`stop`."""
 
     def __init__(self, device: DeviceLike | None = None, *, sites: bool = True) -> None:
-        if device is not None and device != "ram":
-            device = resolve_device(device)  # a clear ValueError for a bad one
-        self.device = None if device is None else str(device)
+        # "ram", or a device of this machine ("cuda:1"); a clear ValueError for a bad one.
+        self.device = None if device is None else measured(device)
         self.sites = sites
         self._watcher: Watcher | None = None
         self._cpu: CpuLog | None = None
@@ -96,12 +95,12 @@ class Recording:
                 self._laps.append(Laps(cpu.meter))
         if wanted is None and torch.cuda.is_available():
             self._cuda = CudaLog(list(range(torch.cuda.device_count())), self.sites)
-        elif wanted is not None and wanted.startswith("cuda"):
-            self._cuda = CudaLog([torch.device(wanted).index or 0], self.sites)
-        elif wanted not in (None, "cpu", "ram"):
+        elif wanted is not None and wanted.startswith("cuda:"):
+            self._cuda = CudaLog([int(wanted.removeprefix("cuda:"))], self.sites)
+        elif wanted not in (None, "cpu", RAM):
             self._laps.append(Laps(meter(wanted)))
-        if wanted in (None, "ram"):
-            ram = meter("ram")
+        if wanted in (None, RAM):
+            ram = meter(RAM)
             self._laps.append(Laps(ram))
             # The program's own peak (ru_maxrss, VmHWM) is left alone: a run's is exact
             # where it is the process's highest yet, as it is for nearly every script.

@@ -33,6 +33,7 @@ COLLECTORS = {
     "torchmem.devices",
     "torchmem.courtesy",
     "torchmem.recording",
+    "torchmem.report",
     "torchmem.estimator",
     "torchmem.limits",
     "torchmem.ranks",

@@ -25,7 +25,6 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -34,6 +33,7 @@ from torchmem.errors import UsageError
 from torchmem.records import TOP
 from torchmem.records.ranks import Elsewhere, Imbalance, RankRun, RanksRecord
 from torchmem.records.run import CATEGORIES, RunRecord
+from torchmem.report import Report
 
 POLL = 0.05
 """Seconds between two looks at the store while waiting for other ranks."""
@@ -46,38 +46,13 @@ CONNECT_TIMEOUT = timedelta(minutes=5)
 
 
 @dataclass(frozen=True)
-class RanksReport(RanksRecord):
+class RanksReport(RanksRecord, Report):
     """What :func:`gather_reports` returns (the fields are :class:`RanksRecord`'s): prints
     as the per-rank table, shows as HTML in Jupyter, saves JSON and an HTML page."""
 
+    renderer = "ranks"
     top: int = TOP
     """How many sites, allocations and modules the highest rank's detail lists."""
-
-    def __str__(self) -> str:
-        from torchmem.render import ranks
-
-        return ranks.text(self, self.top)
-
-    def _repr_html_(self) -> str:
-        from torchmem.render import ranks
-
-        return ranks.html(self, self.top)
-
-    def to_dataframe(self) -> Any:
-        """One row per rank and device; needs pandas."""
-        from torchmem.render import ranks
-
-        return ranks.dataframe(self)
-
-    def save_json(self, path: str | Path) -> None:
-        """Write :meth:`to_json` to `path` (the contract is in docs/json.md)."""
-        Path(path).write_text(json.dumps(self.to_json(), indent=1) + "\n")
-
-    def save_html(self, path: str | Path) -> None:
-        """Write a self-contained HTML page to `path` (no scripts, no network)."""
-        from torchmem.render import ranks
-
-        Path(path).write_text(ranks.page(self, self.top), encoding="utf-8")
 
 
 def gather_reports(

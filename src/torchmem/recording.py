@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import inspect
-import json
 import sys
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType, TracebackType
-from typing import Any
 
 import torch
 
@@ -25,42 +23,18 @@ from torchmem.meters.ram import RamMeter
 from torchmem.records import TOP
 from torchmem.records.frames import SiteKey
 from torchmem.records.run import DeviceRun, ModulePeak, RunRecord
+from torchmem.report import Report
 from torchmem.resolve import RAM, DeviceLike, measured
 
 
 @dataclass(frozen=True)
-class RunReport(RunRecord):
+class RunReport(RunRecord, Report):
     """What :meth:`Recording.report` returns (the fields are :class:`RunRecord`'s): prints
     as text, shows as HTML in Jupyter, saves JSON and a self-contained HTML page."""
 
+    renderer = "run"
     top: int = TOP
     """How many sites, allocations and modules the text and HTML list."""
-
-    def __str__(self) -> str:
-        from torchmem.render import run
-
-        return run.text(self, self.top)
-
-    def _repr_html_(self) -> str:
-        from torchmem.render import run
-
-        return run.html(self, self.top)
-
-    def to_dataframe(self) -> Any:
-        """One row per device; needs pandas."""
-        from torchmem.render import run
-
-        return run.dataframe(self)
-
-    def save_json(self, path: str | Path) -> None:
-        """Write :meth:`to_json` to `path` (the contract is in the README)."""
-        Path(path).write_text(json.dumps(self.to_json(), indent=1) + "\n")
-
-    def save_html(self, path: str | Path) -> None:
-        """Write a self-contained HTML page to `path` (no scripts, no network)."""
-        from torchmem.render import run
-
-        Path(path).write_text(run.page(self, self.top), encoding="utf-8")
 
 
 class Recording:

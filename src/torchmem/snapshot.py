@@ -38,6 +38,7 @@ from torchmem.records.snapshot import (
     SnapshotRecord,
 )
 from torchmem.records.snapshot_file import SnapshotUnpickler as _Unpickler, open_regular, without_gc
+from torchmem.report import Report
 
 ACTIVE = ("active_allocated", "active_pending_free")
 """The states of a block in use."""
@@ -80,10 +81,14 @@ def load_snapshot(path: str | Path) -> Snapshot:
 
 
 @dataclass(frozen=True)
-class Snapshot(SnapshotRecord):
+class Snapshot(SnapshotRecord, Report):
     """A memory snapshot, analysed (the fields are :class:`SnapshotRecord`'s): prints as
-    text, shows as HTML in Jupyter, saves a self-contained HTML page, compares with
-    another snapshot."""
+    text, shows as HTML in Jupyter, saves JSON and a self-contained HTML page, compares
+    with another snapshot."""
+
+    renderer = "snapshot"
+    top: int = TOP
+    """How many sites and segments the text and HTML list."""
 
     @classmethod
     def from_dict(cls, data: object, source: str = "") -> Snapshot:
@@ -112,29 +117,6 @@ class Snapshot(SnapshotRecord):
             "reserved": (self.reserved_bytes, later.reserved_bytes),
         }
         return SnapshotDiff(self.source, later.source, totals, tuple(changes))
-
-    def __str__(self) -> str:
-        from torchmem.render import snapshot
-
-        return snapshot.text(self, TOP)
-
-    def _repr_html_(self) -> str:
-        from torchmem.render import snapshot
-
-        return snapshot.html(self, TOP)
-
-    def save_html(self, path: str | Path, top: int = TOP) -> None:
-        """Write a self-contained HTML page to `path` (no scripts, no network), listing
-        `top` sites and segments."""
-        from torchmem.render import snapshot
-
-        Path(path).write_text(snapshot.page(self, top), encoding="utf-8")
-
-    def to_dataframe(self) -> Any:
-        """One row per segment; needs pandas."""
-        from torchmem.render import snapshot
-
-        return snapshot.dataframe(self)
 
 
 @dataclass(frozen=True)

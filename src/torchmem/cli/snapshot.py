@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -65,7 +66,7 @@ class SnapshotCommand(Command):
         loaded = _load(paths[0])
         _save_json(args.json, loaded)
         if args.html:
-            loaded.save_html(args.html, args.top)
+            dataclasses.replace(loaded, top=args.top).save_html(args.html)
         print(snapshot.text(loaded, args.top))
         return 0
 

@@ -16,7 +16,6 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -34,6 +33,7 @@ from torchmem.events.sources import NO_SITE, Log
 from torchmem.records import TOP
 from torchmem.records.estimate import EstimateRecord
 from torchmem.records.run import DeviceRun, ModulePeak
+from torchmem.report import Report
 from torchmem.resolve import parse_device
 from torchmem.units import parse_size
 
@@ -76,11 +76,12 @@ MAX_BATCH = 2**40
 
 
 @dataclass(frozen=True)
-class Estimate(EstimateRecord):
+class Estimate(EstimateRecord, Report):
     """What :func:`estimate` returns (the fields are
     :class:`~torchmem.records.estimate.EstimateRecord`'s): prints as a table, shows as HTML
     in Jupyter, and says whether it :meth:`fits` a device's memory."""
 
+    renderer = "estimate"
     requests: tuple[int, ...] = field(default=(), repr=False, compare=False)
     """The allocations and frees, in order, for :attr:`needed_bytes` to replay: bytes of an
     allocation, or ``-(k + 1)`` for the free of the k-th allocation."""
@@ -113,28 +114,6 @@ class Estimate(EstimateRecord):
             else:
                 low = middle
         return high * SEGMENT_GRANULE + self.context_bytes
-
-    def __str__(self) -> str:
-        from torchmem.render import estimate
-
-        return estimate.text(self, TOP)
-
-    def _repr_html_(self) -> str:
-        from torchmem.render import estimate
-
-        return estimate.html(self, TOP)
-
-    def to_dataframe(self) -> Any:
-        """One row per category and one for the peak and the reserved bytes; needs pandas."""
-        from torchmem.render import estimate
-
-        return estimate.dataframe(self)
-
-    def save_html(self, path: str | Path) -> None:
-        """Write a self-contained HTML page to `path` (no scripts, no network)."""
-        from torchmem.render import estimate
-
-        Path(path).write_text(estimate.page(self, TOP), encoding="utf-8")
 
 
 def estimate(fn: Callable[..., Any], *args: Any, device: str = "cuda", **kwargs: Any) -> Estimate:

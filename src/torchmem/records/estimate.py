@@ -6,8 +6,9 @@ Made by :func:`torchmem.estimate`; read by :mod:`torchmem.render.estimate`.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
-from torchmem.records.run import DeviceRun, ModulePeak
+from torchmem.records.run import DeviceRun, ModulePeak, RunRecord
 
 
 @dataclass(frozen=True)
@@ -47,3 +48,22 @@ class EstimateRecord:
     """How long the estimate took."""
     function: str = ""
     """The qualified name of the function estimated."""
+
+    def to_json(self) -> dict[str, Any]:
+        """The documented JSON form (docs/json.md): the estimate's own figures, and under
+        ``"run"`` the step on fake tensors in the form of a recording's JSON."""
+        run = RunRecord({self.device: self.run}, self.modules, self.seconds, notes=self.notes)
+        return {
+            "function": self.function,
+            "device": self.device,
+            "peak_bytes": self.peak_bytes,
+            "reserved_bytes": self.reserved_bytes,
+            "context_bytes": self.context_bytes,
+            "workspace_bytes": self.workspace_bytes,
+            "expandable_segments": self.expandable_segments,
+            "categories_at_peak": dict(self.categories),
+            "modelled": list(self.modelled),
+            "not_modelled": list(self.not_modelled),
+            "seconds": self.seconds,
+            "run": run.to_json(),
+        }

@@ -133,6 +133,95 @@ def test_every_module_has_a_layer() -> None:
     assert {m: layer(m) for m in MODULES}
 
 
+NAMEDTUPLE_API = {"_replace", "_asdict", "_fields", "_make"}
+"""Underscored, but the public API of every named tuple."""
+
+
+def defined_names(source: str) -> set[str]:
+    """The underscored names `source` defines: functions, classes, and names and
+    attributes it assigns."""
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            found.add(node.name)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            found.add(node.id)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            found.add(node.attr)
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            found.add(node.target.id)
+    return {name for name in found if name.startswith("_")}
+
+
+def foreign_private_attributes(source: str, ours: set[str]) -> Iterator[str]:
+    """Attributes such as ``module._parameters`` or ``op._schema`` in `source`: an
+    underscored attribute of an object other than ``self`` or ``cls`` that no module of
+    the package defines (so another library's private part). PyTorch's operators
+    (``torch.ops.aten._to_copy``) and named tuples' API are public."""
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Attribute) or not node.attr.startswith("_"):
+            continue
+        if node.attr.startswith("__") or node.attr in ours | NAMEDTUPLE_API:
+            continue
+        if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+            continue
+        if ast.unparse(node).startswith(("torch.ops.", "aten.")):
+            continue
+        yield f"line {node.lineno}: {ast.unparse(node)}"
+
+
+def test_other_libraries_private_attributes_go_through_compat() -> None:
+    ours = set().union(*(defined_names(p.read_text()) for p in MODULES.values()))
+    wrong = {
+        m: list(foreign_private_attributes(p.read_text(), ours))
+        for m, p in MODULES.items()
+        if not m.startswith("torchmem._compat")
+    }
+    assert {m: uses for m, uses in wrong.items() if uses} == {}
+
+
+def test_the_private_attribute_finder_finds_them() -> None:
+    source = """
+params = module._parameters
+mutable = op._schema.is_mutable
+mine = window._fold(3)
+point = point._replace(x=1)
+copy = torch.ops.aten._to_copy
+kept = self._private
+"""
+    found = [use.split(": ")[1] for use in foreign_private_attributes(source, {"_fold"})]
+    assert found == ["module._parameters", "op._schema"]
+
+
+CPP = PACKAGE / "meters" / "cpu_allocator.cpp"
+
+
+def test_the_cpp_library_exports_exactly_what_python_calls() -> None:
+    """No C function of the counting allocator's library is dead, and none Python calls
+    is missing (``ctypes`` would find out only at the call)."""
+    import re
+
+    exported = set(re.findall(r"^[\w*]+\*? (torchmem_\w+)\(", CPP.read_text(), re.M))
+    called = {  # where the library is loaded and used
+        name
+        for folder in ("meters", "events")
+        for path in (PACKAGE / folder).glob("*.py")
+        for name in re.findall(r"\.(torchmem_\w+)\b", path.read_text())
+    }
+    assert exported and exported == called
+
+
+def test_the_cpp_reads_cpythons_internals_only_where_a_version_is_checked() -> None:
+    """CPython's internal headers (the frames' layout) are included only under a check of
+    the version they were written for, as the load-time check of the walk expects."""
+    lines = CPP.read_text().splitlines()
+    internal = [i for i, line in enumerate(lines) if "#include <internal/" in line]
+    assert internal
+    for i in internal:
+        opened = [line for line in lines[:i] if line.startswith("#if") and "PY_VERSION_HEX" in line]
+        assert opened, f"cpu_allocator.cpp:{i + 1} includes CPython internals unguarded"
+
+
 @pytest.mark.parametrize("module", sorted(MODULES))
 def test_no_module_imports_upward(module: str) -> None:
     mine = layer(module)
@@ -261,8 +350,11 @@ def private_uses(source: str) -> Iterator[str]:
 
 
 def test_private_pytorch_and_cpython_symbols_go_through_compat() -> None:
-    wrong = {m: list(private_uses(p.read_text())) for m, p in MODULES.items()}
-    del wrong["torchmem._compat"]
+    wrong = {
+        m: list(private_uses(p.read_text()))
+        for m, p in MODULES.items()
+        if not m.startswith("torchmem._compat")
+    }
     assert {m: uses for m, uses in wrong.items() if uses} == {}
 
 

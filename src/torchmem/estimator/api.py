@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from torchmem._compat import data_dependent_operator
+from torchmem._compat.fake import data_dependent_operator
 from torchmem.errors import EstimateError, OutOfMemory, UnknownValue
 from torchmem.estimator.allocator import (
     SMALL_BUFFER as SEGMENT_GRANULE,
@@ -360,7 +360,10 @@ class _Search:
 def _target(device: str) -> str:
     """The device type an estimate is for: spelled as PyTorch spells devices, but not
     looked for on this machine (an estimate is for a GPU one may not have)."""
-    kind = parse_device(device).type
+    try:
+        kind = parse_device(device).type
+    except ValueError:  # PyTorch's list of every device type says less than ours
+        kind = None
     if kind not in ("cuda", "cpu"):
         raise ValueError(f"cannot estimate for device {device!r}: use 'cuda' or 'cpu'")
     return kind

@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from torchmem._compat.fake import op_schema, view_base
+
 LOWER = (
     "_convolution", "_convolution.deprecated", "conv1d", "conv2d", "conv3d", "conv_tbc",
     "conv_transpose1d", "conv_transpose2d.input", "conv_transpose3d.input", "convolution",
@@ -178,7 +180,7 @@ class CudaRules:
         place = next(
             (
                 i
-                for i, a in enumerate(op._schema.arguments)
+                for i, a in enumerate(op_schema(op).arguments)
                 if a.name == "dtype" and not a.kwarg_only
             ),
             None,
@@ -255,7 +257,7 @@ class CudaRules:
             and value.dtype == torch.float32
             and value.requires_grad
             and value.is_leaf
-            and value._base is None
+            and view_base(value) is None
             and torch.is_autocast_cache_enabled()
         )
         if not cached:

@@ -29,15 +29,8 @@ from typing import Any, NoReturn
 
 import torch
 
-from torchmem._compat import (
-    DispatchMode,
-    data_dependent_operator,
-    fake_mode,
-    getframe,
-    in_backward,
-    no_dispatch_modes,
-    storage_key,
-)
+from torchmem._compat import DispatchMode, getframe, in_backward, storage_key
+from torchmem._compat.fake import data_dependent_operator, fake_mode, no_dispatch_modes
 from torchmem.errors import EstimateError
 from torchmem.estimator.loaders import loaders_in_process
 from torchmem.estimator.patches import (

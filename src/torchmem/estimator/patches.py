@@ -13,7 +13,7 @@ from torch.optim.optimizer import (
     register_optimizer_step_pre_hook,
 )
 
-from torchmem._compat import forget_converted
+from torchmem._compat.fake import forget_converted
 from torchmem.estimator.autocast import CudaRules
 from torchmem.estimator.placement import GPU_AS_CPU
 

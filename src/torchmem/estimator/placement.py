@@ -15,7 +15,8 @@ from typing import Any, Protocol
 import torch
 from torch.overrides import TorchFunctionMode
 
-from torchmem._compat import mark_fake_device, storage_key
+from torchmem._compat import storage_key
+from torchmem._compat.fake import mark_fake_device
 
 
 class Placement(Protocol):

@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 
-from torchmem._compat import FakeTensor, getframe, no_dispatch_modes
+from torchmem._compat import getframe
+from torchmem._compat.fake import FakeTensor, no_dispatch_modes, op_schema
 from torchmem.errors import UnknownValue
 from torchmem.records.frames import choose, kind, own_file
 
@@ -78,7 +79,7 @@ class Values:
         outs = list(out) if isinstance(out, (tuple, list)) else [out]
         if not outs or not all(_small_integers(t) for t in outs):
             return
-        if func._schema.is_mutable:  # an in-place change: known values no longer are
+        if op_schema(func).is_mutable:  # an in-place change: known values no longer are
             for arg in (*args, *kwargs.values()):
                 if isinstance(arg, FakeTensor):
                     self.known.pop(id(arg), None)

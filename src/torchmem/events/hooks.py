@@ -36,6 +36,7 @@ from torch.utils.hooks import RemovableHandle
 from torchmem._compat import (
     disable_dynamo,
     keep_dynamo_out,
+    own_parameters,
     push_saved_tensors_hooks,
     saved_tensors_hooks_enabled,
 )
@@ -224,7 +225,7 @@ class Watcher:
             self.notes.probe(kind, number, module, ref)
 
     def _mark_parameters(self, module: torch.nn.Module) -> None:
-        params = module._parameters
+        params = own_parameters(module)
         # Marked again only where a parameter or gradient is not where it was last time.
         where = tuple(
             (self._address(p), -1 if p.grad is None else self._address(p.grad))

@@ -332,66 +332,19 @@ def peak_reset(backend: str) -> Callable[[int], Any] | None:
     return current
 
 
-# Fake tensors (the estimator) -----------------------------------------------------------
-
-_FAKE = "torch._subclasses.fake_tensor"
-_ESTIMATOR = "Estimating memory"
-_FAKE_MODE = lookup(f"{_FAKE}.FakeTensorMode")
-_DATA_DEPENDENT: tuple[type[BaseException], ...] = tuple(
-    kind
-    for kind in (
-        lookup(f"{_FAKE}.DataDependentOutputException"),
-        lookup(f"{_FAKE}.DynamicOutputShapeException"),
-    )
-    if kind is not None
-)
-"""Errors fake tensors raise for an operator whose result depends on tensor values; each
-carries the operator as ``func``."""
-
-
-FakeTensor: type = lookup(f"{_FAKE}.FakeTensor") or type("FakeTensor", (), {})  # or: none is
-_NO_MODES = "torch.utils._python_dispatch._disable_current_modes"
-no_dispatch_modes: Callable[[], Any] = lookup(_NO_MODES) or unsupported(_NO_MODES, _ESTIMATOR)
-"""Every dispatch mode (fake tensors' too) set aside while entered: operators run for real."""
-
-
-def fake_mode() -> Any:
-    """A new ``FakeTensorMode``: tensors made inside it have shapes, dtypes and devices but
-    no memory, and operators on them compute only those."""
-    if _FAKE_MODE is None:
-        unsupported(f"{_FAKE}.FakeTensorMode", _ESTIMATOR)()
-    return _FAKE_MODE()
-
-
-def data_dependent_operator(error: BaseException) -> Any:
-    """The operator a fake tensor could not run because its result depends on tensor values
-    (``nonzero``), or None if `error` is something else."""
-    return getattr(error, "func", None) if isinstance(error, _DATA_DEPENDENT) else None
-
-
-def forget_converted(mode: Any) -> None:
-    """Drop `mode`'s weak references to the fake tensors it made from real ones (PyTorch's
-    parameter initialisers make some): ``module.to()`` swaps a fake parameter with its
-    converted self, which fails while a weak reference to it exists."""
-    converter = getattr(mode, "fake_tensor_converter", None)
-    memo = getattr(getattr(converter, "meta_converter", None), "tensor_memo", None)
-    if memo is not None:
-        memo.clear()
-
-
-def mark_fake_device(tensor: Any, device: torch.device) -> None:
-    """Make fake `tensor` answer ``tensor.device`` with this very `device` object (an equal
-    one does not do: the estimator tells GPU storages by the object's identity)."""
-    if hasattr(tensor, "fake_device"):
-        tensor.fake_device = device
-
-
 _AUTOGRAD_NODE = lookup("torch._C._current_autograd_node")
 
 
 def in_backward() -> bool:
     """Whether autograd is computing gradients in this thread (a backward pass)."""
     return _AUTOGRAD_NODE is not None and _AUTOGRAD_NODE() is not None
+
+
+def own_parameters(module: torch.nn.Module) -> dict[str, torch.nn.Parameter | None]:
+    """`module`'s own parameters by attribute name (None where one is unset), the dict
+    itself: ``named_parameters(recurse=False)`` builds a generator per call, and this is
+    read at every module call of a recording."""
+    return module._parameters
 
 
 _PUSH_SAVED = lookup("torch._C._autograd._push_saved_tensors_default_hooks")

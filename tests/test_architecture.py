@@ -436,3 +436,10 @@ def test_every_error_lives_in_errors_under_one_base() -> None:
     for name in mine:
         kind = getattr(errors, name)
         assert issubclass(kind, (errors.TorchmemError, errors.TorchmemWarning)), name
+
+
+def test_the_tests_mirror_the_package() -> None:
+    """A folder of tests is named after the subpackage it tests."""
+    tests = Path(__file__).resolve().parent
+    folders = {p.name for p in tests.iterdir() if p.is_dir() and any(p.glob("test_*.py"))}
+    assert folders and folders <= {p.name for p in PACKAGE.iterdir() if p.is_dir()}

@@ -16,7 +16,7 @@ from standins import KiB, MiB
 from torchmem.cli import main
 from torchmem.meters import meter
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 counting = pytest.mark.skipif(
     getattr(meter("cpu"), "backend", "") != "allocator",
     reason="needs the counting CPU allocator (a C++ compiler)",

@@ -11,7 +11,7 @@ nbformat = pytest.importorskip("nbformat")
 
 pytestmark = pytest.mark.slow  # a real Jupyter kernel
 
-NOTEBOOK = Path(__file__).parent.parent / "examples" / "quickstart.ipynb"
+NOTEBOOK = Path(__file__).resolve().parents[2] / "examples" / "quickstart.ipynb"
 
 
 @pytest.fixture(scope="module")

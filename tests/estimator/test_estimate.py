@@ -270,7 +270,7 @@ def test_an_estimate_warns_nothing() -> None:
     code = textwrap.dedent(
         """
         import sys
-        sys.path.insert(0, "tests")
+        sys.path[:0] = ["tests", "tests/estimator"]
         import torchmem
         from test_estimate import mlp_step
         torchmem.estimate(mlp_step, 8, device="cuda")

@@ -365,7 +365,7 @@ def test_the_estimator_names_sites_by_the_same_rule(installed_library: object) -
     assert all("torchmem" not in f[0] for s in sites.values() for f in s.stack)
 
 
-GPU_TRUTH = Path(__file__).resolve().parents[2] / "shared" / "gpu-truth"
+GPU_TRUTH = Path(__file__).resolve().parents[3] / "shared" / "gpu-truth"
 
 
 @pytest.mark.skipif(not GPU_TRUTH.is_dir(), reason=f"{GPU_TRUTH} is absent (real GPU snapshots)")

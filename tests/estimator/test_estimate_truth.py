@@ -19,9 +19,9 @@ import dataclasses
 
 import pytest
 import torch
+from test_allocator_truth import TRUTH as REAL
 
 import transformer_lm as lm
-from test_allocator_truth import TRUTH as REAL
 from torchmem.estimator import estimate
 
 MIB = 2**20

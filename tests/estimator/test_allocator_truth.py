@@ -21,8 +21,8 @@ from torchmem.estimator.replay import Action, replay, start_layout
 from torchmem.records.caching import KINDS, block_bytes, round_size, trace_blocks
 from torchmem.snapshot import Snapshot, _Unpickler
 
-HERE = Path(__file__).resolve().parent
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "gpu-truth"
+HERE = Path(__file__).resolve().parents[1]  # tests/
+SHARED = Path(__file__).resolve().parents[3] / "shared" / "gpu-truth"
 _spec = importlib.util.spec_from_file_location(
     "make_extract", HERE / "data/gpu_truth/make_extract.py"
 )

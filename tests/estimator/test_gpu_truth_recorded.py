@@ -19,13 +19,13 @@ from typing import Any
 
 import pytest
 import torch
+from test_allocator_truth import actions, layouts
 
 import torchmem
 from gpu_workloads import WORKLOADS
-from test_allocator_truth import actions, layouts
 from torchmem.estimator.replay import replay, start_layout
 
-RECORDED = Path(__file__).resolve().parent / "data" / "gpu_truth" / "recorded"
+RECORDED = Path(__file__).resolve().parents[1] / "data" / "gpu_truth" / "recorded"
 FACTS = json.loads((RECORDED / "facts.json").read_text())
 NAMES = sorted(FACTS["workloads"])
 SETTINGS = {

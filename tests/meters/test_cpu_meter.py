@@ -507,7 +507,7 @@ def test_the_example_runs_every_time_under_the_fallback_without_a_compiler(tmp_p
     was building (``SystemError: bad argument to internal function``, 6 runs in 10)."""
     env = {**os.environ, "CXX": str(tmp_path / "no-such-compiler")}
     env["TORCHMEM_CACHE_DIR"] = str(tmp_path / "cache")
-    example = os.path.join(os.path.dirname(__file__), "..", "examples", "train.py")
+    example = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "train.py")
     command = [sys.executable, "-m", "torchmem", "run", example, "--steps", "2"]
     for _ in range(5):
         done = subprocess.run(command, capture_output=True, text=True, env=env)

@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import pytest
@@ -92,7 +93,7 @@ def environ_without_gpu() -> dict[str, str]:
 _FRESH_PROCESS = """\
 import importlib.util, json, os, sys
 path, qualname, args = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
-sys.path.insert(0, os.path.dirname(path))
+sys.path[:0] = [os.path.dirname(path), sys.argv[4]]  # the test's folder, tests/
 spec = importlib.util.spec_from_file_location("_fresh_process_module", path)
 module = importlib.util.module_from_spec(spec)
 sys.modules[spec.name] = module
@@ -130,6 +131,7 @@ def call_in_fresh_process_without_gpu(function: Callable[..., Any], *args: Any) 
             inspect.getfile(function),
             qualname,
             json.dumps(args),
+            str(Path(__file__).resolve().parents[1]),  # tests/, where the stand-ins are
         ],
         env=environ_without_gpu(),
         capture_output=True,

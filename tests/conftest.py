@@ -64,11 +64,14 @@ def isolated_meters(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 @pytest.fixture
 def ipython() -> Iterator[InteractiveShell]:
-    """A real IPython shell, cleared afterwards with the last error it kept."""
+    """A real IPython shell, cleared afterwards with its namespace, its output history and
+    the last error it kept: what a test's cells made must not outlive the test (the shell
+    stays reachable from IPython's hooks after ``clear_instance``)."""
     from IPython.core.interactiveshell import InteractiveShell
 
     shell = InteractiveShell.instance()
     yield shell
+    shell.reset(new_session=False)
     for name in ("last_type", "last_value", "last_traceback", "last_exc"):
         if hasattr(sys, name):
             setattr(sys, name, None)

@@ -73,6 +73,9 @@ class Watcher:
 
     def __init__(self, address: Callable[[torch.Tensor], int] | None = None) -> None:
         self._address = address or _data_ptr
+        # Whether a parameter moved, read at every module call: a tensor's own data_ptr()
+        # where it has one (no storage object made), else the given address (fake tensors).
+        self._where = address or torch.Tensor.data_ptr
         self._log: CpuAllocatorLibrary | None = None
         self._catch_up: Callable[[], None] | None = None
         self._since = 0
@@ -228,7 +231,7 @@ class Watcher:
         params = own_parameters(module)
         # Marked again only where a parameter or gradient is not where it was last time.
         where = tuple(
-            (self._address(p), -1 if p.grad is None else self._address(p.grad))
+            (self._where(p), -1 if p.grad is None else self._where(p.grad))
             for p in params.values()
             if p is not None
         )
@@ -253,7 +256,7 @@ class Watcher:
             for key, value in values.items()
             if isinstance(value, torch.Tensor)
         ]
-        where = tuple(self._address(value) for _, _, value in state)
+        where = tuple(self._where(value) for _, _, value in state)
         if self._marked.get(id(optimizer)) == where:
             return
         self._marked[id(optimizer)] = where

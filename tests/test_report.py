@@ -73,4 +73,5 @@ def test_the_page_lists_as_many_as_top_asks(tmp_path: Path) -> None:
     assert snapshot.top == torchmem.records.TOP
     short = dataclasses.replace(snapshot, top=1)
     short.save_html(tmp_path / "short.html")
-    assert "more" in (tmp_path / "short.html").read_text()
+    page = (tmp_path / "short.html").read_text()
+    assert "... and 2 more sites" in page and "... and 1 more segment" in page

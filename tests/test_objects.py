@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import gc
+import sys
 import weakref
 
+import pytest
 import torch
 
-from torchmem._objects import instances_of, of_classes, of_types, subclasses
+from torchmem._objects import holders, instances_of, of_classes, of_types, subclasses, tracked
+from tuple_builder import building_tuples_beside
 
 
 class Held(torch.Tensor):
@@ -55,3 +59,69 @@ def test_instances_of_picks_what_of_classes_picks_with_issubclass() -> None:
         expected = of_classes(objects, lambda kind, bases=bases: issubclass(kind, bases))
         assert [id(o) for o in instances_of(iter(objects), *bases)] == [id(o) for o in expected]
     assert [id(o) for o in of_types(objects, {Held, int})] == [id(1), id(sub)]
+
+
+# Every object of the process -----------------------------------------------------------
+
+
+class Marker:
+    """An object of a class nothing else in the process has."""
+
+
+class Marked(Marker):
+    """A subclass."""
+
+
+def test_tracked_finds_every_instance_of_the_bases_and_their_subclasses_once() -> None:
+    plain, sub, other = Marker(), Marked(), object()
+    found = tracked(Marker)
+    assert sorted(map(id, found)) == sorted((id(plain), id(sub)))
+    assert not any(o is other for o in found)
+
+
+@pytest.mark.parametrize("collecting", [True, False])
+def test_tracked_holds_nothing_after_it_returns_and_leaves_collection_as_it_was(collecting):
+    """The list of every object is gone when it returns: no object gained a reference,
+    and no cycle waits for a collection to free it."""
+    chosen, passed_over = Marker(), torch.zeros(4)
+    counts = sys.getrefcount(chosen), sys.getrefcount(passed_over)
+    was = gc.isenabled()
+    (gc.enable if collecting else gc.disable)()
+    try:
+        found = tracked(Marker)
+        assert gc.isenabled() is collecting
+    finally:
+        (gc.enable if was else gc.disable)()
+    assert found == [chosen]
+    del found
+    assert (sys.getrefcount(chosen), sys.getrefcount(passed_over)) == counts
+    assert [r for r in gc.get_referrers(passed_over) if type(r) is list] == []
+
+
+def test_holders_are_the_tensors_modules_and_optimizers() -> None:
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    ids = set(map(id, holders()))
+    assert {id(model), id(optimizer), id(model.weight), id(model.bias)} <= ids
+    assert id(model.weight.grad) not in ids  # None
+    assert not any(type(o) in (dict, list, Marker) for o in holders())
+
+
+def test_a_walk_of_every_object_never_shares_a_tuple_another_thread_is_building() -> None:
+    """A walk that held ``gc.get_objects()`` across a bytecode broke the builder's tuple
+    (``SystemError: Objects/tupleobject.c: bad argument to internal function``) on the
+    first of these walks."""
+    assert building_tuples_beside(lambda: tracked(torch.Tensor), 20) == []
+
+
+def test_the_builder_fails_beside_a_walk_that_holds_every_object() -> None:
+    """The test above can fail: the same builder beside a walk that keeps the list of
+    every object across bytecodes."""
+
+    def holding() -> None:
+        everything = gc.get_objects()
+        for _ in range(1000):
+            pass
+        del everything
+
+    assert building_tuples_beside(holding, 20) != []

@@ -1,10 +1,12 @@
 """Picking objects of some classes out of many (``gc.get_objects()``: hundreds of
-thousands in a process that imported torch and pytest) at C speed."""
+thousands in a process that imported torch and pytest) at C speed, and finding them
+among every object of the process without harm to other threads (:func:`tracked`)."""
 
 from __future__ import annotations
 
+import gc
 import itertools
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Iterator
 from typing import cast
 
 import torch
@@ -58,6 +60,52 @@ def of_types(objects: Iterable[object], types: Collection[type]) -> list[object]
     objects = objects if isinstance(objects, list) else list(objects)
     wanted = types if isinstance(types, (set, frozenset)) else frozenset(types)
     return list(itertools.compress(objects, map(wanted.__contains__, map(type, objects))))
+
+
+def tracked(*bases: type) -> list[object]:
+    """Every object the garbage collector tracks whose class derives from one of `bases`
+    (or is one), in the collector's order: :func:`instances_of` on ``gc.get_objects()``,
+    safe beside threads that are building objects.
+
+    ``tuple(generator)`` fills a tuple that its thread must hold alone when it grows it;
+    paused in the generator, the thread may lose the GIL. A walk that holds every object
+    when the GIL passes (at any bytecode, or in a finalizer that a collection runs) shares
+    that tuple, and its growth then fails (``SystemError: bad argument to internal
+    function``). So the list of every object lives only inside one C call, ``list()``
+    consuming a chain of C iterators, with automatic collection off: no Python code runs
+    while it is held, and the GIL is not released. Only the chosen objects come out.
+    """
+    wanted = frozenset(map(id, subclasses(*bases)))  # ints: hashing a class may run Python
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        return list(_walk(wanted))
+    finally:
+        if collecting:
+            gc.enable()
+
+
+def holders() -> list[object]:
+    """The tensors, modules and optimizers the garbage collector tracks (:func:`tracked`):
+    the default objects that reports of live tensors look among."""
+    return tracked(torch.Tensor, torch.nn.Module, torch.optim.Optimizer)
+
+
+def _walk(wanted: frozenset[int]) -> Iterator[object]:
+    """A lazy C iterator that, when consumed, lists every tracked object, yields those
+    whose class (by id) is `wanted` and drops the list; nothing is read before.
+
+    The list is shared by the two passes through `box`, and dropped by emptying it. Each
+    pass is run to its end, since an iterator stopped early would keep the list, and the
+    list (made after them) holds the iterators: a cycle that only a collection frees.
+    """
+    box: list[list[object]] = []
+    keep: Iterator[object] = filter(None, map(box.append, itertools.starmap(gc.get_objects, ((),))))
+    # One item past the list on the objects' side: the verdicts' side reaches its end first.
+    objects = itertools.chain(itertools.chain.from_iterable(box), (None,))
+    verdicts = map(wanted.__contains__, map(id, map(type, itertools.chain.from_iterable(box))))
+    drop: Iterator[object] = filter(None, itertools.starmap(box.clear, ((),)))
+    return itertools.chain(keep, itertools.compress(objects, verdicts), drop)
 
 
 def instances_of(objects: Iterable[object], *bases: type) -> list[object]:

@@ -8,7 +8,6 @@ tensor is kept alive by it.
 
 from __future__ import annotations
 
-import gc
 import weakref
 from collections.abc import Iterable, Iterator, Mapping
 from types import TracebackType
@@ -17,6 +16,7 @@ from typing import Any
 import torch
 
 from torchmem._compat import storage_key
+from torchmem._objects import tracked
 from torchmem.resolve import DeviceLike, parse_device, resolve_device
 from torchmem.tensors import tensors_in
 
@@ -163,7 +163,7 @@ class Courtesy:
         if self.targets:
             _collect(self.targets, found, strict=True)
         else:
-            for tensor in tensors_in(gc.get_objects()):
+            for tensor in tensors_in(tracked(torch.Tensor)):
                 _add(tensor, found)
         return [t for t in found.values() if _same_device(t.device, source)]
 

@@ -9,7 +9,6 @@ made or printed never takes the error's place: :func:`print_oom_report` warns in
 from __future__ import annotations
 
 import contextlib
-import gc
 import re
 import reprlib
 import sys
@@ -20,7 +19,7 @@ from typing import TextIO, cast
 import psutil
 import torch
 
-from torchmem._objects import models_and_optimizers
+from torchmem._objects import holders, models_and_optimizers
 from torchmem.errors import TorchmemWarning
 from torchmem.records.oom import Hint, OOMRecord
 from torchmem.records.tensors import TensorRecord
@@ -81,7 +80,7 @@ def explain_oom(
         model: names the largest tensors after its parameters, as :class:`MemReporter`;
             by default the one outermost module found among `objects`, if there is one.
         objects: where to look for live tensors, models and optimizers, as for
-            :class:`MemReporter`; default everything the garbage collector tracks.
+            :class:`MemReporter`; by default every tensor, module and optimizer.
 
     Optimizers found among `objects` name their state (``Adam.fc1.weight.exp_avg``).
     Tensors whose memory cannot be read (where listing every live tensor fails, e.g. sparse
@@ -101,7 +100,7 @@ def explain_oom(
     requested = _requested(message)
     where, (total, free, allocated, reserved) = _memory(where)
     name = str(where)
-    records, notes = _live_tensors(name, model, gc.get_objects if objects is None else objects)
+    records, notes = _live_tensors(name, model, holders if objects is None else objects)
     counted = [r for r in records if r.nbytes]  # a view's bytes are its base's
     largest = tuple(sorted(counted, key=lambda r: r.nbytes, reverse=True)[:LARGEST])
     history = sum(r.nbytes for r in records if _has_history(r))

@@ -24,7 +24,7 @@ from typing import Any, cast
 import torch
 
 from torchmem._compat import PlainTensorAccess, is_traceable_wrapper_subclass, storage_key
-from torchmem._objects import instances_of
+from torchmem._objects import holders, instances_of
 from torchmem.meters.tensor import SPARSE_COMPONENTS
 from torchmem.records.tensors import TensorRecord
 from torchmem.resolve import DeviceLike, parse_device
@@ -122,8 +122,9 @@ class MemReporter:
         pre_collect: run :func:`gc.collect` before each scan, so that tensors only
             unreachable cycles hold are gone. Off by default.
         objects: where to look for tensors: a function returning the objects to scan.
-            Defaults to :func:`gc.get_objects`, every object in the process. The model's
-            and the optimizers' tensors are always included.
+            Defaults to every tensor, module and optimizer in the process (those
+            :func:`gc.get_objects` lists). The model's and the optimizers' tensors are
+            always included.
 
     Only tensors Python can reach are seen: buffers autograd saved for a backward pass
     are invisible to ``gc``, so on CUDA the allocator's count may be higher (the report
@@ -142,7 +143,7 @@ class MemReporter:
             raise TypeError(f"objects must be a function or None, not {reprlib.repr(objects)}")
         self.model = model
         self.pre_collect = pre_collect
-        self.objects = gc.get_objects if objects is None else objects
+        self.objects = holders if objects is None else objects
         self.optimizers: list[torch.optim.Optimizer] = []
 
     def add_optimizer(self, optimizer: torch.optim.Optimizer) -> None:

@@ -24,6 +24,7 @@ from standins import MiB
 from torchmem import LineProfiler, MemTrace, meter
 from torchmem.meters import CpuAllocatorMeter, CpuDispatchMeter, Meter
 from torchmem.meters.cpu import live_storages
+from tuple_builder import building_tuples_beside
 
 pytestmark = [
     # torch.compile's own import of TorchScript, and qint8 tensors, warn that they are deprecated
@@ -93,6 +94,20 @@ def test_the_walk_holds_no_object_that_another_thread_is_still_building(monkeypa
         go_on.set()
         walker.join()
     assert built == tuple(range(100))
+
+
+def test_the_fallback_meters_readings_never_break_a_tuple_another_thread_builds(
+    monkeypatch, isolated_meters
+):
+    """Each reading outside a window walks every object; a thread building a tuple from a
+    generator beside it (the GIL passed every microsecond) failed at the first one."""
+    monkeypatch.setenv("TORCHMEM_CPU_METER", "dispatch")
+    cpu = meter("cpu")
+    kept = torch.zeros(1024)
+    start = cpu.used()
+    assert building_tuples_beside(cpu.used, 20) == []
+    del kept
+    assert start - cpu.used() == 4096
 
 
 # Storages no walk can read ---------------------------------------------------------

@@ -19,7 +19,6 @@ memory C++ code holds without a tensor.
 
 from __future__ import annotations
 
-import gc
 import os
 import threading
 import warnings
@@ -29,7 +28,7 @@ from typing import Any
 import torch
 
 from torchmem._compat import storage_key
-from torchmem._objects import of_types, subclasses
+from torchmem._objects import subclasses, tracked
 from torchmem.errors import BuildError, TorchmemError, TorchmemWarning
 from torchmem.meters import native
 from torchmem.meters.base import Meter, Window, WindowRef, in_background
@@ -208,13 +207,7 @@ def live_storages() -> list[torch.UntypedStorage]:
     their classes; the few tensors and storages among them cost little more."""
     tensors = subclasses(torch.Tensor)
     untyped = subclasses(torch.UntypedStorage)
-    typed = subclasses(torch.TypedStorage)
-    # Every object is held from here to the end of the line: among them may be one that
-    # another thread is still building (a tuple that tuple(iterable) fills, its thread
-    # paused in a finalizer), which fails if that thread runs on while it is shared. So
-    # the classes are gathered first, and a few bytecodes run on the way (of_types filters
-    # in C), not the 30 ms of Python that once did: a switch then is rare, not ruled out.
-    found = of_types(gc.get_objects(), tensors | untyped | typed)
+    found = tracked(torch.Tensor, torch.UntypedStorage, torch.TypedStorage)
     storages: dict[int, torch.UntypedStorage] = {}
     obj: Any
     for obj in found:

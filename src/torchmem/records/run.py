@@ -36,6 +36,9 @@ class Site:
     stack: Stack = field(default=(), compare=False)
     """The Python stack of the first allocation seen there, innermost first, as
     ``(file, line, function)``: library lines one look away. Empty where none was kept."""
+    source: str | None = field(default=None, compare=False)
+    """The text of the line, stripped (``"h = torch.relu(self.fc1(x))"``), read when the
+    report was made; None for the pseudo files and where the file cannot be read."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -91,6 +94,30 @@ class ModulePeak:
     pass went through it."""
     calls: int
     """How many times its forward ran."""
+    forward_kept_bytes: int = 0
+    """The most one forward call added and kept: bytes in use when the call returned less
+    bytes in use when it began (its output and what autograd saved for backward), the
+    highest over its calls; 0 where no call kept anything."""
+    backward_rise_bytes: int | None = None
+    """The most one backward pass through it rose above the bytes in use when that pass
+    began; None when no backward pass went through it."""
+
+
+PHASES = ("forward", "backward", "step")
+"""What a :class:`Phase` can be: a forward call of an outermost module, a backward pass
+through the model, a call of ``optimizer.step()``."""
+
+
+@dataclass(frozen=True)
+class Phase:
+    """A span of the run where the program was in one phase of training."""
+
+    kind: str
+    """One of :data:`PHASES`."""
+    start: float
+    """Seconds from the start of the recording."""
+    end: float
+    """Seconds from the start of the recording."""
 
 
 @dataclass(frozen=True)
@@ -127,6 +154,11 @@ class DeviceRun:
     leaves out."""
     reserved_peak_bytes: int | None = None
     """CUDA only: the caching allocator's highest reserved bytes."""
+    timeline_categories: tuple[tuple[int, ...], ...] | None = None
+    """For each interval of :attr:`timeline`, the bytes of each of :data:`CATEGORIES` (in
+    that order) at the interval's highest point, each allocation counted as the category
+    known for it at that moment; they sum to the interval's bytes. None where the device
+    has no event log."""
     exact: bool = True
     """False where the peak comes from sampling (process RAM off Linux)."""
 
@@ -147,6 +179,8 @@ class RunRecord:
     """The script and its arguments (``torchmem run``)."""
     notes: tuple[str, ...] = field(default=())
     """What the report could not see, in one sentence each."""
+    phases: tuple[Phase, ...] = ()
+    """The forward passes, backward passes and optimizer steps, in time order."""
 
     @property
     def main_device(self) -> str:

@@ -27,6 +27,7 @@ from torchmem.events.tally import (
     WINDOW,
     Tally,
 )
+from torchmem.events.timeline import FINE
 
 BASE = 1200
 """Two storages adopted at the start (300 B each), two later (100 B each), 400 B hidden."""
@@ -110,7 +111,10 @@ def brute_force(rows: np.ndarray) -> dict[str, object]:
     opened: dict[int, int] = {}
     forward: dict[int, int] = {}
     backward: dict[int, int] = {}
+    kept: dict[int, int] = {}
+    rise: dict[int, int] = {}
     history = []
+    lives = []  # after each row: the allocations alive
     for i, (_, ptr, size, site, ref, kind) in enumerate(rows.tolist()):
         if kind == ALLOC:
             alive[i], category[i] = size, 4
@@ -123,6 +127,7 @@ def brute_force(rows: np.ndarray) -> dict[str, object]:
         elif kind == MARK and ref in alive:
             category[ref] = min(category[ref], site & 7)
         history.append(current)
+        lives.append(list(alive.items()))
         if kind == OPEN:
             opened[ptr] = i
         elif kind in (HIT, CLOSE) and ptr in opened:
@@ -130,10 +135,24 @@ def brute_force(rows: np.ndarray) -> dict[str, object]:
             table = backward if ref & 1 else forward
             if kind == HIT or not ref & 1:
                 table[site] = max(table.get(site, high), high)
+            began = history[opened[ptr]]
+            if kind == HIT:
+                rise[site] = max(rise.get(site, high - began), high - began)
+            elif not ref & 1:
+                kept[site] = max(kept.get(site, current - began), current - began)
         if current > peak:
             peak = current
             at_peak = {k for k in made if k in alive} | {k for k, f in adopted.items() if f > i}
             peak_hidden = hidden
+    # After each row: bytes of parameters, gradients, optimizer state and activations, each
+    # allocation counted as its category for its whole life.
+    layers = []
+    for alive_then in lives:
+        layer = [0] * 4
+        for key, size in alive_then:
+            if category[key] < 4:
+                layer[category[key]] += size
+        layers.append(layer)
     end = [0] * 5
     for key, size in alive.items():
         end[category[key]] += size
@@ -146,7 +165,38 @@ def brute_force(rows: np.ndarray) -> dict[str, object]:
         "end_categories": end,
         "forward": forward,
         "backward": backward,
+        "kept": kept,
+        "rise": rise,
+        "history": history,
+        "layers": layers,
     }
+
+
+def brute_force_timeline(
+    rows: np.ndarray, truth: dict, width: int, stop: int, points: int
+) -> list[tuple[int, tuple[int, ...]]]:
+    """Per interval of `width` ns, resampled as :meth:`Tally.timeline` does: the highest use
+    and the categories (other last) at the first moment it was reached, from the start of
+    the interval (the use carried from before) or after one of its rows."""
+    history, layers = truth["history"], truth["layers"]
+    used = min(max(stop, int(rows[-1, 0])) // width + 1, FINE)
+    intervals = [[(BASE, [0, 0, 0, 0])] for _ in range(used)]
+    carried = (BASE, [0, 0, 0, 0])
+    at = 0
+    for k in range(used):
+        intervals[k] = [carried]
+        while at < len(rows) and rows[at, 0] // width == k:
+            intervals[k].append((history[at], layers[at]))
+            at += 1
+        carried = intervals[k][-1]
+    # max() keeps the first of equals.
+    highest = [max(moments, key=lambda m: m[0]) for moments in intervals]
+    group = -(-used // points)
+    found = []
+    for first in range(0, used, group):
+        use, layer = max(highest[first : first + group], key=lambda m: m[0])
+        found.append((use, (*layer, use - sum(layer))))
+    return found
 
 
 def tallied(
@@ -181,10 +231,46 @@ def test_any_chunking_counts_what_brute_force_counts(seed: int) -> None:
         end = np.bincount(found.live.cat, weights=found.live.size, minlength=5).astype(int)
         assert [*end[:4], int(end[4]) + found.hidden] == truth["end_categories"]
         assert (found.forward, found.backward) == (truth["forward"], truth["backward"])
+        assert (found.kept, found.rise) == (truth["kept"], truth["rise"])
+        assert found.line.now.tolist() == [int(b) for b in end[:4]]
+        stop = int(rows[-1, 0])
+        timeline, layers = found.line.read(stop, 50)
+        expected = brute_force_timeline(rows, truth, found.line.width, stop, 50)
+        assert [(b, layer) for (_, b), layer in zip(timeline, layers, strict=True)] == expected
     assert tally.at_peak.owner.tolist() == whole.at_peak.owner.tolist()
     timeline = tally.timeline(int(rows[-1, 0]), 50)
     assert max(high for _, high in timeline) == truth["peak"]
     assert len(timeline) <= 50 and [t for t, _ in timeline] == sorted(t for t, _ in timeline)
+
+
+def test_an_allocation_counts_as_its_category_from_its_allocation_to_its_free() -> None:
+    """A gradient marked two intervals after it was made counts as one from its allocation
+    on; a storage alive since the start, adopted and marked later, from the start. An
+    interval keeps the categories of the first moment of its highest use: a later moment
+    at the same use is made of other bytes."""
+    rows = np.array(
+        [
+            [10, 1, 100, 0, -1, ALLOC],  # 100 B, never marked: other
+            [20, 1, -100, -1, 0, FREE],
+            [30, 2, 100, 0, -1, ALLOC],  # 100 B, a gradient (marked later)
+            [1030, 3, 50, 0, -1, ALLOC],  # next interval: 50 B, other
+            [2100, 2, 0, 1 << 3 | 1, 2, MARK],  # it was a gradient
+            [2200, 5, 30, 0, 5, ADOPT],  # 30 B alive since the start (in the base)
+            [2300, 5, 0, 3 << 3 | 0, 5, MARK],  # a parameter
+            [2400, 3, -50, -1, 3, FREE],
+        ],
+        np.int64,
+    )
+    for chunks in ([], [1], [1, 1, 1, 1, 1, 1], [2, 1], [4, 1, 2], [3, 3]):
+        tally = tallied(rows, chunks, base=30)
+        timeline, layers = tally.line.read(4000, 10)
+        assert [b for _, b in timeline] == [130, 180, 180, 130]
+        assert layers == (
+            (30, 0, 0, 0, 100),  # its first moment at 130 B: before the gradient was made
+            (30, 100, 0, 0, 50),
+            (30, 100, 0, 0, 50),  # the use carried from the interval before
+            (30, 100, 0, 0, 0),
+        )
 
 
 def test_engine_allocations_are_named_after_the_innermost_backward_pass() -> None:

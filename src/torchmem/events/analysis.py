@@ -11,6 +11,7 @@ backward pass was running then.
 
 from __future__ import annotations
 
+import linecache
 import os
 from typing import Any
 
@@ -53,19 +54,21 @@ def device_run(
     tally = found.tally
     at_start = tally.peak_seq < tally.first
     largest, others = _largest(found, namer, table, variables, top)
+    timeline, layers = tally.line.read(stop, BUCKETS)
     return DeviceRun(
         device=found.device,
         start_bytes=tally.base,
         peak_bytes=tally.peak,
         peak_time=0.0 if at_start else max((tally.peak_time - tally.start) / 1e9, 0.0),
         end_bytes=tally.current,
-        timeline=tally.timeline(stop, BUCKETS),
+        timeline=timeline,
         categories_at_peak=_categories(tally.at_peak, tally.hidden_at_peak),
         categories_at_end=_categories(tally.live, tally.hidden),
         sites_at_peak=_sites(found, namer),
         largest_at_peak=largest,
         others_at_peak=others,
         reserved_peak_bytes=found.reserved_peak,
+        timeline_categories=layers,
     )
 
 
@@ -98,12 +101,22 @@ def _sites(found: Tallied, names: Names) -> tuple[Site, ...]:
         key = _key(found, site, owner, names)
         if key is not None:
             totals[key] = totals.get(key, 0) + int(size)
-    sites = [Site(*key, size, getattr(key, "stack", ())) for key, size in totals.items()]
+    sites = [
+        Site(*key, size, getattr(key, "stack", ()), source(key)) for key, size in totals.items()
+    ]
     before = found.tally.hidden_at_peak + int(records.size[~made].sum())
     if before:
         sites.append(Site(BEFORE, 0, "", before))
     sites.sort(key=lambda s: s.bytes, reverse=True)
     return tuple(sites)
+
+
+def source(key: SiteKey) -> str | None:
+    """The text of a site's line, stripped; None for a pseudo file (no line) and where the
+    file cannot be read. A notebook cell's is read from the file IPython compiled it as."""
+    if key[1] <= 0:
+        return None
+    return linecache.getline(key.path, key[1]).strip() or None
 
 
 def _largest(
@@ -177,8 +190,8 @@ def module_peaks(
     names: dict[int, str],
     calls: dict[int, int],
 ) -> tuple[ModulePeak, ...]:
-    """Each module's highest use during its forward calls and its backward passes
-    (`modules`: each module's class's name, by id)."""
+    """Each module's highest use during its forward calls and its backward passes, and
+    what they added (`modules`: each module's class's name, by id)."""
     return tuple(
         ModulePeak(
             names.get(key, ""),
@@ -187,6 +200,8 @@ def module_peaks(
             tally.forward.get(key, tally.base),
             tally.backward.get(key),
             calls.get(key, 0),
+            forward_kept_bytes=max(tally.kept.get(key, 0), 0),
+            backward_rise_bytes=tally.rise.get(key),
         )
         for key, kind in modules.items()
     )

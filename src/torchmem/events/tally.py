@@ -22,6 +22,7 @@ from __future__ import annotations
 import numpy as np
 
 from torchmem.events.table import Table
+from torchmem.events.timeline import Timeline, category_changes
 
 TIME, PTR, SIZE, SITE, REF, KIND = range(6)
 COLUMNS = 6
@@ -41,17 +42,12 @@ BEFORE_SITE = -4
 UNNAMED = -1
 WINDOW = 1 << 16
 """How many of the latest allocations and frees a tally keeps as they were."""
-FINE = 1024
-"""Intervals the timeline keeps; past them, neighbours merge and each doubles."""
-FIRST_WIDTH = 1 << 10
-"""Nanoseconds of a timeline interval at first (about a microsecond: a short run keeps
-its detail; each halving of the resolution costs one pass over :data:`FINE` intervals)."""
 
 _NEVER = np.iinfo(np.int64).max
-_MODULE, _DEPTH, _BACKWARD, _BEGIN, _HIGH, _LAST, _AT = range(7)
+_MODULE, _DEPTH, _BACKWARD, _BEGIN, _HIGH, _LAST, _AT, _BASE = range(8)
 """An open probe's fields: module, depth, backward (0 or 1), time it opened, highest use
 from its opening to the start of the rows in hand, time of its last hit (-1: none),
-where it opened in the rows in hand (0: before them)."""
+where it opened in the rows in hand (0: before them), use when it opened."""
 
 
 class Tally:
@@ -87,6 +83,11 @@ class Tally:
         self.forward: dict[int, int] = {}
         """Module index -> highest use during its forward passes."""
         self.backward: dict[int, int] = {}
+        self.kept: dict[int, int] = {}
+        """Module index -> the most one forward pass added: use when it returned less use
+        when it began."""
+        self.rise: dict[int, int] = {}
+        """Module index -> the most one backward pass rose above the use when it began."""
         self._open: dict[int, list[int]] = {}
         """Probes open, by number (fields: :data:`_MODULE`, ...)."""
         self._spans: list[tuple[int, int, int, int]] = []
@@ -95,12 +96,8 @@ class Tally:
         self._pending = np.empty(0, np.int64)
         """Keys of engine allocations not yet named (a backward pass was open then)."""
         self._pending_time = np.empty(0, np.int64)
-        self.width = FIRST_WIDTH
-        self._high = np.full(FINE, -1, np.int64)
-        """Timeline: highest use in each interval (-1: no row)."""
-        self._last = np.full(FINE, -1, np.int64)
-        """Timeline: use after the last row of each interval."""
-        self.last_time = start
+        self.line = Timeline(base, start)
+        """The highest use per interval, and its categories."""
         self.recent: list[np.ndarray] = []
         """The latest allocation and free rows (at most :data:`WINDOW` of them)."""
         self.dropped = 0
@@ -126,6 +123,14 @@ class Tally:
         made = np.flatnonzero((alloc & ~passing) | (kind == ADOPT))
         marks = np.flatnonzero(kind == MARK)
         table = self.live.concat(self._arrivals(rows, alloc, made, marks))
+        layers = category_changes(
+            self.seq,
+            table,
+            rows[:, SIZE],
+            alloc.astype(np.int64) - (kind == ADOPT),
+            (marks, rows[marks, REF], rows[marks, SITE]),
+            (frees, refs),
+        )
         if len(marks):
             self._mark(table, rows[marks, REF], rows[marks, SITE])
             if len(self.at_peak):
@@ -150,7 +155,7 @@ class Tally:
         self.current = int(cur[-1])
         self.hidden = int(hidden[-1])
         self.seq += n
-        self._timeline(rows[:, TIME], cur)
+        self.line.feed(rows[:, TIME], cur, layers, self.seq - n)
         self._name_engine()
         # A copy, not a view of the rows: `recent` keeps it.
         changes = rows.copy() if bool(changing.all()) else rows.take(np.flatnonzero(changing), 0)
@@ -251,20 +256,21 @@ class Tally:
             numbers, places = numbers[order], places[order]
             j = np.minimum(np.searchsorted(numbers, number), max(len(numbers) - 1, 0))
             here = numbers[j] == number if len(numbers) else np.zeros(len(at), bool)
-            high = _range_max(cur, np.where(here, places[j] if len(numbers) else 0, 0), at)
+            began = np.where(here, places[j] if len(numbers) else 0, 0)
+            high, base = _range_max(cur, began, at), cur[began]
             known = here.copy()
             for k in np.flatnonzero(~here).tolist():
                 probe = self._open.get(int(number[k]))
                 if probe is not None:
                     high[k] = max(int(high[k]), probe[_HIGH])
+                    base[k] = probe[_BASE]
                     known[k] = True
-            backward = (rows[at, REF] & 1) == 1
-            _most(
-                self.forward,
-                module[(op == CLOSE) & ~backward & known],
-                high[(op == CLOSE) & ~backward & known],
-            )
-            _most(self.backward, module[(op == HIT) & known], high[(op == HIT) & known])
+            returned = (op == CLOSE) & ((rows[at, REF] & 1) == 0) & known
+            _most(self.forward, module[returned], high[returned])
+            _most(self.kept, module[returned], cur[at[returned]] - base[returned])
+            hits = (op == HIT) & known
+            _most(self.backward, module[hits], high[hits])
+            _most(self.rise, module[hits], high[hits] - base[hits])
             self._follow(rows[at, REF], rows[at, TIME], number, op, module, numbers, places, cur)
         if self._open:
             probes = list(self._open.values())
@@ -317,7 +323,8 @@ class Tally:
             places[still].tolist(),
             strict=True,
         ):
-            self._open[key] = [owner, r >> 1, r & 1, t, int(cur[place]), hit_at.get(key, -1), place]
+            use = int(cur[place])
+            self._open[key] = [owner, r >> 1, r & 1, t, use, hit_at.get(key, -1), place, use]
 
     def _end_spans(
         self,
@@ -384,25 +391,6 @@ class Tally:
             oldest = int(self._pending_time.min())
             self._spans = [s for s in self._spans if s[1] >= oldest]
 
-    def _timeline(self, times: np.ndarray, cur: np.ndarray) -> None:
-        self.last_time = max(self.last_time, int(times.max()))
-        index = np.maximum((times - self.start) >> (self.width.bit_length() - 1), 0)
-        while int(index.max()) >= FINE:
-            self._halve()
-            index >>= 1
-        # Rows come in time order: one value per run of rows in the same interval.
-        ends = np.append(np.flatnonzero(index[1:] != index[:-1]), len(index) - 1)
-        starts = np.insert(ends[:-1] + 1, 0, 0)
-        np.maximum.at(self._high, index[ends], np.maximum.reduceat(cur, starts))
-        self._last[index[ends]] = cur[ends]  # the last row of each interval writes last
-
-    def _halve(self) -> None:
-        high = np.maximum(self._high[0::2], self._high[1::2])
-        last = np.where(self._last[1::2] >= 0, self._last[1::2], self._last[0::2])
-        self._high = np.concatenate([high, np.full(FINE // 2, -1, np.int64)])
-        self._last = np.concatenate([last, np.full(FINE // 2, -1, np.int64)])
-        self.width *= 2
-
     def _keep_recent(self, changes: np.ndarray) -> None:
         if len(changes):
             self.recent.append(changes[-WINDOW:])
@@ -427,24 +415,15 @@ class Tally:
         self._open.clear()
         self._name_engine()
 
+    @property
+    def last_time(self) -> int:
+        """``time.monotonic_ns()`` of the latest row tallied (the start before any)."""
+        return self.line.last_time
+
     def timeline(self, stop: int, points: int) -> tuple[tuple[float, int], ...]:
         """At most `points` intervals from the start to `stop`: each one's end (seconds
-        from the start) and the highest use in it."""
-        span = max(stop, self.last_time) - self.start
-        used = min(span // self.width + 1, FINE)
-        high, last = self._high[:used], self._last[:used]
-        before = self.base
-        values = []
-        for h, end in zip(high.tolist(), last.tolist(), strict=True):
-            values.append(max(h, before))
-            if end >= 0:
-                before = end
-        group = -(-used // points)
-        found = []
-        for first in range(0, used, group):
-            end = min((first + group) * self.width, span)
-            found.append((end / 1e9, max(values[first : first + group])))
-        return tuple(found)
+        from the start) and the highest use in it (see :meth:`Timeline.read`)."""
+        return self.line.read(stop, points)[0]
 
     def recent_rows(self) -> np.ndarray:
         """The latest allocation and free rows, oldest first."""

@@ -180,14 +180,19 @@ class SiteKey(tuple[str, int, str]):
     key it was given, so the stack comes along without a second table."""
 
     stack: Stack
+    path: str
+    """The file as the code was compiled from: where its lines are read (a notebook cell's
+    file is ``In [4]`` in the key, ``<ipython-input-4-...>`` or ipykernel's file here)."""
 
     def __new__(cls, frame: Frame, stack: Stack) -> SiteKey:
+        path = frame[0]
         named = _cell_names()
         if named is not None:  # in IPython: a cell's file is named after the cell
             frame = (named(frame[0]), *frame[1:])
             stack = tuple((named(f[0]), *f[1:]) for f in stack)
         key = super().__new__(cls, frame)
         key.stack = stack
+        key.path = path
         return key
 
 

@@ -56,6 +56,14 @@ class Recording:
         self._started = self._stopped = 0
         self._report: RunReport | None = None
 
+    @property
+    def start_ns(self) -> int:
+        """``time.monotonic_ns()`` when the recording started (0 before): the origin of
+        every time in its report (timelines, peak times, phases), which are seconds from
+        it. Place the program's own moments on the report's time axis with it:
+        ``(time.monotonic_ns() - rec.start_ns) / 1e9``."""
+        return self._started
+
     def start(self) -> Recording:
         """Start recording (once)."""
         if self._started:
@@ -84,11 +92,11 @@ class Recording:
         watcher = Watcher() if self._cpu is not None or self._cuda is not None else None
         self._started = time.monotonic_ns()
         for laps in self._laps:
-            laps.begin()
+            laps.begin(self._started)
         if self._cpu is not None:
-            self._cpu.start()
+            self._cpu.start(self._started)
         if self._cuda is not None:
-            self._cuda.start()
+            self._cuda.start(self._started)
         if watcher is not None:
             stream = self._cpu.stream if self._cpu is not None else None
             if stream is not None:
@@ -239,7 +247,8 @@ class Recording:
                 " the GIL, and Python's headers where torchmem was built."
             )
         duration = (self._stopped - self._started) / 1e9
-        return RunReport(devices, modules, duration, notes=tuple(notes), top=top)
+        phases = watcher.phases.read(self._started)
+        return RunReport(devices, modules, duration, notes=tuple(notes), phases=phases, top=top)
 
 
 def _log_notes(found: Tallied) -> list[str]:

@@ -43,6 +43,7 @@ from torchmem._compat import (
 from torchmem._objects import models_and_optimizers
 from torchmem.events import saved
 from torchmem.events.notes import NameTable, Notes, Tree
+from torchmem.events.phases import FORWARD, STEP, Phases
 from torchmem.events.tally import CLOSE, HIT, MARK, OPEN
 
 if TYPE_CHECKING:
@@ -94,6 +95,8 @@ class Watcher:
             weakref.WeakValueDictionary()
         )
         self.calls: dict[int, int] = {}
+        self.phases = Phases()
+        """The forward calls of the roots, the backward passes through them, the steps."""
         self._local = threading.local()
         self._handles: list[RemovableHandle] = []
         self._pending: dict[int, list[_Backward]] = {}
@@ -222,6 +225,13 @@ class Watcher:
             self.notes.mark(ptr, payload, str(tensor.device))
 
     def _probe(self, kind: int, number: int, module: int, ref: int) -> None:
+        if ref == 1:  # a root's backward pass (depth 0)
+            if kind == OPEN:
+                self.phases.opened(number)
+            elif kind == HIT:
+                self.phases.hit(number)
+            else:
+                self.phases.closed(number)
         if self._log is not None:
             self._log.note(kind, number, 0, module, ref)
         if self.notes is not None:
@@ -290,6 +300,8 @@ class Watcher:
                 pending.remove(backward)
                 self._close(backward)
         number = next(_numbers)
+        if not stack:
+            self.phases.begin(FORWARD, number)
         self._probe(OPEN, number, key, len(stack) << 1)
         stack.append((key, number))
         self._since += 1
@@ -302,6 +314,8 @@ class Watcher:
         if not stack or stack[-1][0] != id(module):
             return
         key, number = stack.pop()
+        if not stack:
+            self.phases.end(FORWARD, number)
         self._probe(CLOSE, number, key, len(stack) << 1)
         if not torch.is_grad_enabled():
             return
@@ -336,8 +350,10 @@ class Watcher:
     def _step_pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self.optimizers.setdefault(id(optimizer), optimizer)
         self._mark_optimizer(optimizer, grads=True)
+        self.phases.begin(STEP, id(optimizer))  # the step's own work: after our marks
 
     def _step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self.phases.end(STEP, id(optimizer))
         self._mark_optimizer(optimizer, grads=False)
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:

@@ -41,15 +41,7 @@ from torchmem.meters.base import background_thread
 from torchmem.meters.cpu import CpuAllocatorMeter
 from torchmem.meters.native import NO_FRAME_SITE, NO_PYTHON_SITE, CpuAllocatorLibrary
 from torchmem.records.caching import KINDS, trace_blocks
-from torchmem.records.frames import (
-    BACKWARD,
-    ENGINE,
-    Frame,
-    SiteKey,
-    Stack,
-    own_file,
-    stack_site,
-)
+from torchmem.records.frames import BACKWARD, ENGINE, Frame, SiteKey, Stack, own_file, stack_site
 
 NO_SITE = -1
 """A site index for an allocation whose site was not recorded."""
@@ -195,8 +187,9 @@ class CpuStream:
         self._thread: threading.Thread | None = None
         os.register_at_fork(after_in_child=self._forget)
 
-    def open(self, sites: bool, used: Callable[[], int]) -> Tally:
-        """Start a recording whose start is `used()` bytes; its tally."""
+    def open(self, sites: bool, used: Callable[[], int], start: int) -> Tally:
+        """Start a recording whose start is `used()` bytes at `start` (the origin of its
+        times, ``time.monotonic_ns()``); its tally."""
         with self._lock:
             fresh = not self.tallies  # (a nested recording's first row may be row 0 too)
             first = self.library.record_start(sites)
@@ -207,7 +200,7 @@ class CpuStream:
                 self._halt.clear()
                 self._thread = background_thread(self._run, "torchmem-log")
                 self._thread.start()
-            tally = Tally(used(), time.monotonic_ns(), first)
+            tally = Tally(used(), start, first)
             tally.engine = self._engine
             self.tallies.append(tally)
         return tally
@@ -309,10 +302,10 @@ class CpuLog:
         self._tally: Tally | None = None
         self._dropped = 0
 
-    def start(self) -> None:
+    def start(self, origin: int) -> None:
         assert self.stream is not None
         self._dropped = self.stream.library.dropped_rows()
-        self._tally = self.stream.open(self.sites and self.records_sites, self.meter.used)
+        self._tally = self.stream.open(self.sites and self.records_sites, self.meter.used, origin)
 
     def stop(self) -> Tallied:
         assert self.stream is not None and self._tally is not None
@@ -348,11 +341,13 @@ class CudaLog:
         self.notes: list[str] = []
         """What the history could not tell, in sentences for the report."""
         self._lease: history.HistoryLease | None = None
+        self._origin = 0
 
-    def start(self) -> None:
+    def start(self, origin: int) -> None:
         self._windows = [m.window() for m in self.meters]  # for the reserved peak
         self._bases = [m.used() for m in self.meters]
         self._start, self._wall = time.monotonic_ns(), time.time_ns()
+        self._origin = origin  # the times' (at or before _start, which goes with _wall)
         self._lease = history.acquire(self.sites, CUDA_ENTRIES)
 
     def stop(self, notes: Notes | None = None) -> list[Tallied]:
@@ -378,7 +373,7 @@ class CudaLog:
             expandable = any(s.get("is_expandable") for s in own)
             events, sites = cuda_events(trace, self._start, self._wall, own, expandable)
             reserved = window.peak("reserved_bytes.all")
-            log = Log(f"cuda:{index}", base, self._start, events, sites, reserved)
+            log = Log(f"cuda:{index}", base, self._origin, events, sites, reserved)
             logs.append(log.tally(notes))
         return logs
 
@@ -465,10 +460,11 @@ class Laps:
         """Whether the peaks are exact, where the meter's :attr:`~Meter.exact` does not
         say (a RAM meter that kept the kernel's high-water mark)."""
 
-    def begin(self) -> None:
+    def begin(self, origin: int) -> None:
+        """Start lapping; times are counted from `origin` (``time.monotonic_ns()``)."""
         self._window = self.meter.window()
         self.start_bytes = self._window.start
-        self.start = time.monotonic_ns()
+        self.start = origin
         self._thread = background_thread(self._run, "torchmem-laps")
         self._thread.start()
 

@@ -24,7 +24,7 @@ import torchmem
 from standins import KiB, MiB
 from torchmem.meters import meter
 from torchmem.records.frames import BACKWARD
-from torchmem.records.run import CATEGORIES
+from torchmem.records.run import CATEGORIES, DeviceRun, ModulePeak, Phase, RunRecord, Site
 
 pytestmark = pytest.mark.skipif(
     getattr(meter("cpu"), "backend", "") != "allocator",
@@ -92,6 +92,9 @@ def test_the_line_that_allocated_the_peak_is_the_top_site() -> None:
         "allocate_256_mib",
         256 * MiB,
     )
+    assert top.source == "return torch.zeros(64, 1024, 1024)  # the line the report must name"
+    # Pseudo files have no line to read.
+    assert {s.source for s in cpu.sites_at_peak if not s.line} <= {None}
     assert cpu.largest_at_peak[0].bytes == 256 * MiB
     assert cpu.largest_at_peak[0].site == f"{__file__}:{line}"
 
@@ -114,6 +117,7 @@ def test_backward_allocations_are_named_backward_with_the_line_in_their_stack() 
     sites = rec.report().devices["cpu"].sites_at_peak
     (engine,) = [s for s in sites if s.file == BACKWARD]
     assert engine.bytes == 5 * MiB  # weight's gradient (4 MiB), the product's (1 MiB)
+    assert engine.source is None
     name = test_backward_allocations_are_named_backward_with_the_line_in_their_stack.__name__
     assert (__file__, peak_line, name) in engine.stack
     assert (peak_line, 4) in {(s.line, s.bytes) for s in sites}  # backward()'s ones_like(loss)
@@ -293,6 +297,76 @@ def test_the_report_prints_saves_json_and_html(tmp_path) -> None:
     assert f"... and {more} more site{'s' if more > 1 else ''} (" in str(report)
     assert data["devices"]["cpu"]["others_at_peak"]["count"] >= 1
     assert "http" not in (tmp_path / "r.html").read_text()
+
+
+def test_the_json_holds_categories_over_time_phases_what_modules_added_and_sources() -> None:
+    run = DeviceRun(
+        "cpu",
+        4 * MiB,
+        12 * MiB,
+        0.5,
+        4 * MiB,
+        ((0.25, 4 * MiB), (0.5, 12 * MiB)),
+        sites_at_peak=(Site("t.py", 3, "<module>", 8 * MiB, (), "x = torch.zeros(2, MiB)"),),
+        timeline_categories=((4 * MiB, 0, 0, 0, 0), (4 * MiB, 4 * MiB, 0, 0, 4 * MiB)),
+    )
+    module = ModulePeak("fc", "Linear", "cpu", 12 * MiB, 16 * MiB, 2, 256 * KiB, 4 * MiB)
+    phases = (Phase("forward", 0.125, 0.25), Phase("backward", 0.25, 0.5), Phase("step", 0.5, 1))
+    original = RunRecord({"cpu": run}, (module,), 1.0, phases=phases)
+    data = json.loads(json.dumps(original.to_json()))
+    assert data["devices"]["cpu"]["timeline_categories"] == [
+        [4_194_304, 0, 0, 0, 0],
+        [4_194_304, 4_194_304, 0, 0, 4_194_304],
+    ]
+    assert data["phases"] == [
+        {"kind": "forward", "start_s": 0.125, "end_s": 0.25},
+        {"kind": "backward", "start_s": 0.25, "end_s": 0.5},
+        {"kind": "step", "start_s": 0.5, "end_s": 1},
+    ]
+    assert data["modules"] == [
+        {
+            "name": "fc",
+            "type": "Linear",
+            "device": "cpu",
+            "forward_peak_bytes": 12_582_912,
+            "backward_peak_bytes": 16_777_216,
+            "calls": 2,
+            "forward_kept_bytes": 262_144,
+            "backward_rise_bytes": 4_194_304,
+        }
+    ]
+    assert data["sites_at_peak"] == [
+        {
+            "file": "t.py",
+            "line": 3,
+            "function": "<module>",
+            "bytes": 8_388_608,
+            "stack": [],
+            "source": "x = torch.zeros(2, MiB)",
+        }
+    ]
+    again = RunRecord.from_json(data)
+    assert again == original
+    assert again.devices["cpu"].sites_at_peak[0].source == "x = torch.zeros(2, MiB)"
+    # A report written before these fields reads as one that had none.
+    del data["phases"], data["devices"]["cpu"]["timeline_categories"]
+    del data["modules"][0]["forward_kept_bytes"], data["modules"][0]["backward_rise_bytes"]
+    del data["devices"]["cpu"]["sites_at_peak"][0]["source"]
+    older = RunRecord.from_json(data)
+    assert (older.phases, older.devices["cpu"].timeline_categories) == ((), None)
+    (site,) = older.devices["cpu"].sites_at_peak
+    assert (older.modules[0].forward_kept_bytes, older.modules[0].backward_rise_bytes) == (0, None)
+    assert site.source is None
+
+
+def test_a_device_without_an_event_log_has_no_categories_over_time() -> None:
+    with torchmem.record("ram") as rec:
+        kept = bytearray(MiB)
+    report = rec.report()
+    assert report.devices["ram"].timeline_categories is None
+    assert report.to_json()["devices"]["ram"]["timeline_categories"] is None
+    assert report.phases == ()
+    del kept
 
 
 def test_the_fallback_meter_reports_peaks_without_an_event_log() -> None:

@@ -47,13 +47,16 @@ class Site:
             "function": self.function,
             "bytes": self.bytes,
             "stack": [list(frame) for frame in self.stack],
+            "source": self.source,
         }
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Site:
-        """The site that :meth:`to_json` wrote (``stack`` may be missing: older reports)."""
+        """The site that :meth:`to_json` wrote (``stack`` and ``source`` may be missing:
+        older reports)."""
         stack = tuple((str(f), int(n), str(fn)) for f, n, fn in data.get("stack", ()))
-        return cls(data["file"], data["line"], data["function"], data["bytes"], stack)
+        source = data.get("source")
+        return cls(data["file"], data["line"], data["function"], data["bytes"], stack, source)
 
 
 @dataclass(frozen=True)
@@ -156,9 +159,11 @@ class DeviceRun:
     """CUDA only: the caching allocator's highest reserved bytes."""
     timeline_categories: tuple[tuple[int, ...], ...] | None = None
     """For each interval of :attr:`timeline`, the bytes of each of :data:`CATEGORIES` (in
-    that order) at the interval's highest point, each allocation counted as the category
-    known for it at that moment; they sum to the interval's bytes. None where the device
-    has no event log."""
+    that order) at the interval's highest point; they sum to the interval's bytes. An
+    allocation counts as one category for its whole life (the first a mark gave it while
+    it was alive: a gradient from its allocation in the backward pass, though it is known
+    as one at the optimizer's step), so the peak's interval has :attr:`categories_at_peak`.
+    None where the device has no event log."""
     exact: bool = True
     """False where the peak comes from sampling (process RAM off Linux)."""
 
@@ -180,7 +185,8 @@ class RunRecord:
     notes: tuple[str, ...] = field(default=())
     """What the report could not see, in one sentence each."""
     phases: tuple[Phase, ...] = ()
-    """The forward passes, backward passes and optimizer steps, in time order."""
+    """The forward passes, backward passes and optimizer steps, in time order (one per
+    phase for the whole run: linear in its length, a few per training step)."""
 
     @property
     def main_device(self) -> str:
@@ -210,9 +216,12 @@ class RunRecord:
                     "forward_peak_bytes": m.forward_peak_bytes,
                     "backward_peak_bytes": m.backward_peak_bytes,
                     "calls": m.calls,
+                    "forward_kept_bytes": m.forward_kept_bytes,
+                    "backward_rise_bytes": m.backward_rise_bytes,
                 }
                 for m in self.modules
             ],
+            "phases": [{"kind": p.kind, "start_s": p.start, "end_s": p.end} for p in self.phases],
             "timeline": {
                 name: [[t, b] for t, b in run.timeline] for name, run in self.devices.items()
             },
@@ -240,8 +249,13 @@ class RunRecord:
                     m["forward_peak_bytes"],
                     m["backward_peak_bytes"],
                     m["calls"],
+                    m.get("forward_kept_bytes", 0),  # older reports: none
+                    m.get("backward_rise_bytes"),
                 )
                 for m in data["modules"]
+            )
+            phases = tuple(
+                Phase(p["kind"], p["start_s"], p["end_s"]) for p in data.get("phases", ())
             )
             return cls(
                 devices,
@@ -250,6 +264,7 @@ class RunRecord:
                 exit_code=data["exit_code"],
                 command=tuple(data["command"]),
                 notes=tuple(data["notes"]),
+                phases=phases,
             )
         except (KeyError, TypeError, AttributeError) as exc:
             raise ValueError(f"not a torchmem run report: {type(exc).__name__}: {exc}") from None
@@ -279,11 +294,17 @@ def _device_json(run: DeviceRun) -> dict[str, Any]:
         "sites_at_peak": [s.to_json() for s in run.sites_at_peak],
         "largest_at_peak": [_held_json(h) for h in run.largest_at_peak],
         "others_at_peak": {"count": run.others_at_peak[0], "bytes": run.others_at_peak[1]},
+        "timeline_categories": (
+            None
+            if run.timeline_categories is None
+            else [list(row) for row in run.timeline_categories]
+        ),
     }
 
 
 def _device_from_json(name: str, entry: dict[str, Any], timeline: Any) -> DeviceRun:
     others = entry.get("others_at_peak") or {"count": 0, "bytes": 0}  # older reports: none
+    layers = entry.get("timeline_categories")
     return DeviceRun(
         name,
         entry["start_bytes"],
@@ -300,5 +321,6 @@ def _device_from_json(name: str, entry: dict[str, Any], timeline: Any) -> Device
         ),
         others_at_peak=(others["count"], others["bytes"]),
         reserved_peak_bytes=entry["reserved_peak_bytes"],
+        timeline_categories=None if layers is None else tuple(tuple(row) for row in layers),
         exact=entry["exact"],
     )

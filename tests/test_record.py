@@ -369,6 +369,29 @@ def test_a_device_without_an_event_log_has_no_categories_over_time() -> None:
     del kept
 
 
+def test_a_notebook_cells_sites_are_named_after_the_cell_with_its_source(ipython) -> None:
+    """In a real IPython shell: a site in a cell is ``In [n]`` (not ``<ipython-input-...>``
+    or ipykernel's ``/tmp/ipykernel_<pid>/<hash>.py``), its source read from the cell; an
+    allocation's site reads ``In [n], line 2``, as IPython's tracebacks say it."""
+    cells = [
+        "import gc, torch, torchmem",
+        "def make():\n    return torch.zeros(1024, 1024)  # 4 MiB",
+        "gc.collect()\nwith torchmem.record('cpu') as rec:\n    x = make()\n    del x",
+    ]
+    for cell in cells:
+        ipython.run_cell(cell, store_history=True).raise_error()
+    made = ipython.execution_count - 2  # the cell that defined make()
+    cpu = ipython.user_ns["rec"].report().devices["cpu"]
+    top = cpu.sites_at_peak[0]
+    assert (top.file, top.line, top.function, top.bytes) == (f"In [{made}]", 2, "make", 4 * MiB)
+    assert top.source == "return torch.zeros(1024, 1024)  # 4 MiB"
+    assert top.stack[:2] == ((f"In [{made}]", 2, "make"), (f"In [{made + 1}]", 3, "<module>"))
+    held = cpu.largest_at_peak[0]
+    assert (held.name, held.site) == (f"Tensor@In [{made}], line 2", f"In [{made}], line 2")
+    text = json.dumps(ipython.user_ns["rec"].report().to_json())
+    assert "ipython-input" not in text and "ipykernel_" not in text
+
+
 def test_the_fallback_meter_reports_peaks_without_an_event_log() -> None:
     code = (
         "import torch, torchmem\n"

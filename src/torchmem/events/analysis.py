@@ -23,7 +23,7 @@ from torchmem.events.sources import NO_SITE, Laps, Tallied
 from torchmem.events.table import Table
 from torchmem.events.tally import UNNAMED, Tally
 from torchmem.meters.native import NO_PYTHON_SITE
-from torchmem.records.frames import NO_PYTHON, SiteKey
+from torchmem.records.frames import NO_PYTHON, SiteKey, located
 from torchmem.records.run import CATEGORIES, DeviceRun, Held, ModulePeak, Site
 
 BUCKETS = 200
@@ -149,7 +149,7 @@ def _largest(
         key = _key(found, int(records.site[i]), int(records.owner[i]), namer)
         where = None
         if key is not None and key[0] != NO_PYTHON:
-            where = f"{key[0]}:{key[1]}" if key[1] else key[0]
+            where = located(key[0], key[1])
         name = namer(entry[0]) if entry is not None else None
         if name is None and int(records.key[i]) in alive:
             name = variables.get(ptr)

@@ -196,6 +196,18 @@ class SiteKey(tuple[str, int, str]):
         return key
 
 
+_CELL = re.compile(r"In \[[^\]\n]*\]")
+
+
+def located(file: str, line: int) -> str:
+    """Where a site is, said as a person reads it: ``file:line``, ``file`` alone for a
+    pseudo file (line 0), and a notebook cell's (:class:`SiteKey` names its file ``In [4]``)
+    as IPython's tracebacks say it: ``In [4], line 3``."""
+    if not line:
+        return file
+    return f"{file}, line {line}" if _CELL.fullmatch(file) else f"{file}:{line}"
+
+
 def _cell_names() -> Callable[[str], str] | None:
     """In an IPython shell or Jupyter kernel, the function that names the file of a cell's
     code after its cell (``In [4]``, where the file is ``<ipython-input-4-...>`` or

@@ -76,7 +76,8 @@ class Held:
     dtype: str | None = None
     """``str(dtype)`` of that tensor, e.g. ``"torch.float32"``."""
     site: str | None = None
-    """``file:line`` where it was allocated; None where that is not known."""
+    """``file:line`` where it was allocated (``In [4], line 3`` for a notebook cell, see
+    :func:`~torchmem.records.frames.located`); None where that is not known."""
 
 
 @dataclass(frozen=True)

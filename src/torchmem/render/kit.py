@@ -20,20 +20,27 @@ SAMPLED = "~"
 
 STYLE = """\
 body { font-family: system-ui, -apple-system, "Segoe UI", sans-serif; color: #222;
-       margin: 24px; max-width: 1000px; }
-h3 { margin: 0 0 4px; }
-h4 { margin: 18px 0 4px; }
+       margin: 24px auto; padding: 0 24px; max-width: 1400px; line-height: 1.35; }
+@media (max-width: 600px) { body { margin: 12px auto; padding: 0 10px; } }
+h3 { margin: 0 0 6px; font-size: 1.2em; }
+h4 { margin: 20px 0 6px; }
 table { border-collapse: collapse; margin: 4px 0; }
-th, td { padding: 2px 10px; text-align: right; font-variant-numeric: tabular-nums; }
+th, td { padding: 4px 12px; text-align: right; font-variant-numeric: tabular-nums;
+         vertical-align: top; }
 th { border-bottom: 1px solid #999; }
 tbody tr:nth-child(even) { background: #f3f4f6; }
-code { font-family: ui-monospace, Menlo, Consolas, monospace; }
+code { font-family: ui-monospace, Menlo, Consolas, monospace; font-size: 0.92em; }
+details summary { cursor: pointer; }
 .torchmem-charts { display: flex; flex-wrap: wrap; gap: 12px; margin: 12px 0; }
-.torchmem-charts svg { border: 1px solid #ddd; background: #fff; }
+.torchmem-charts svg { border: 1px solid #ddd; background: #fff; max-width: 100%; }
 """
-"""The pages' only style sheet (inline, no fonts or files fetched)."""
+"""The pages' only style sheet (inline, no fonts or files fetched). Tables also carry the
+little they need inline (no wrapping but in source text, a scroll bar where a window is
+too narrow), so that they read the same in a notebook, which leaves this sheet out."""
 
 _LEFT = ' style="text-align: left"'
+LONG = 64
+"""Cells longer than this (paths, mostly) are cut in the middle in HTML, whole on hover."""
 
 
 def size(nbytes: int | None, missing: str = MISSING, mark: str = "") -> str:
@@ -68,6 +75,8 @@ class Section:
     stacks: Sequence[Stack] = ()
     """Per row, the stack of the site in its second cell: HTML shows it on demand (a
     ``<details>`` in that cell); text leaves it out."""
+    code: tuple[int, ...] = ()
+    """Columns of source text: in HTML monospace, free to wrap, never cut."""
 
 
 def section_text(section: Section) -> list[str]:
@@ -81,8 +90,34 @@ def section_text(section: Section) -> list[str]:
     return lines
 
 
-def _cell(tag: str, value: str, left: bool) -> str:
-    return f"<{tag}{_LEFT if left else ''}>{markup.escape(value)}</{tag}>"
+def middle(value: str, limit: int = LONG) -> str:
+    """`value` cut to at most `limit` characters by leaving out its middle, at a ``/``
+    where there is one (``/home/me/.../src/model.py:3``)."""
+    if len(value) <= limit:
+        return value
+    head = value[: (limit - 3) // 3]
+    if "/" in head[1:]:
+        head = head[: head.rindex("/") + 1]
+    tail = value[len(value) - (limit - 3 - len(head)) :]
+    if "/" in tail[:-1]:
+        tail = tail[tail.index("/") :]
+    return f"{head}...{tail}"
+
+
+def _text(value: str) -> str:
+    """A cell's text, cut in the middle where long, with the whole on hover."""
+    if len(value) <= LONG:
+        return markup.escape(value)
+    return f'<span title="{markup.escape(value)}">{markup.escape(middle(value))}</span>'
+
+
+def _cell(tag: str, value: str, left: bool, code: bool = False) -> str:
+    if code:
+        return (
+            f'<{tag} style="text-align: left; white-space: normal; min-width: 14em">'
+            f"<code>{markup.escape(value)}</code></{tag}>"
+        )
+    return f"<{tag}{_LEFT if left else ''}>{_text(value)}</{tag}>"
 
 
 def _stack_cell(value: str, stack: Stack) -> str:
@@ -92,8 +127,9 @@ def _stack_cell(value: str, stack: Stack) -> str:
         for file, line, function in stack
     )
     return (
-        f"<td{_LEFT}><details><summary>{markup.escape(value)}</summary>"
-        f'<ol style="margin: 2px 0; text-align: left">{frames}</ol></details></td>'
+        f"<td{_LEFT}><details><summary>{_text(value)}</summary>"
+        f'<ol style="margin: 2px 0; padding-left: 1.6em; text-align: left">{frames}</ol>'
+        "</details></td>"
     )
 
 
@@ -103,7 +139,9 @@ def section_html(section: Section) -> str:
 
     def row(cells: tuple[str, ...], tag: str, stack: Stack = ()) -> str:
         inner = "".join(
-            _stack_cell(c, stack) if i == 1 and stack else _cell(tag, c, i in section.left)
+            _stack_cell(c, stack)
+            if i == 1 and stack
+            else _cell(tag, c, i in section.left, tag == "td" and i in section.code)
             for i, c in enumerate(cells)
         )
         return f"<tr>{inner}</tr>"
@@ -115,7 +153,10 @@ def section_html(section: Section) -> str:
         row(cells, "td", stack) for cells, stack in zip(section.rows, stacks, strict=True)
     )
     more = f"<p>{markup.escape(section.more)}</p>" if section.more else ""
-    table = f'<table style="border-collapse: collapse">{head}<tbody>{body}</tbody></table>'
+    table = (
+        '<div style="overflow-x: auto"><table style="border-collapse: collapse; '
+        f'white-space: nowrap">{head}<tbody>{body}</tbody></table></div>'
+    )
     return f"{title}{table}{more}"
 
 

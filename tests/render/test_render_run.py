@@ -2,17 +2,12 @@
 
 from __future__ import annotations
 
-import re
-import shutil
-import subprocess
 import xml.etree.ElementTree as ET
-from pathlib import Path
 
 import pytest
 
 from torchmem.records.run import CATEGORIES, DeviceRun, Held, ModulePeak, RunRecord, Site
-from torchmem.render import chart, run as render
-from torchmem.units import readable_size
+from torchmem.render import chart, kit, run as render
 
 M = 2**20
 SVG = "{http://www.w3.org/2000/svg}"
@@ -39,8 +34,8 @@ CPU = DeviceRun(
         "other": 8 * M,
     },
     sites_at_peak=(
-        Site("train.py", 42, "step", 256 * M),
-        Site("model.py", 10, "Net.forward", 20 * M),
+        Site("train.py", 42, "step", 256 * M, source="big = torch.empty(1024, 65536)"),
+        Site("model.py", 10, "Net.forward", 20 * M, source="h = torch.relu(self.fc1(x))"),
         Site("<before recording>", 0, "<module>", 1 * M),
     ),
     largest_at_peak=(
@@ -53,9 +48,9 @@ RAM = DeviceRun(
     "ram", 100 * M, 500 * M, 2.5, 450 * M, ((1.0, 200 * M), (2.5, 500 * M)), exact=False
 )
 MODULES = (
-    ModulePeak("", "Net", "cpu", 280 * M, 300 * M, 1),
-    ModulePeak("fc1", "Linear", "cpu", 100 * M, 290 * M, 3),
-    ModulePeak("relu", "ReLU", "cpu", 120 * M, None, 3),
+    ModulePeak("", "Net", "cpu", 280 * M, 300 * M, 1, 20 * M, 24 * M),
+    ModulePeak("fc1", "Linear", "cpu", 100 * M, 290 * M, 3, 12 * M, 10 * M),
+    ModulePeak("relu", "ReLU", "cpu", 120 * M, None, 3, 16 * M, None),
 )
 RECORD = RunRecord(
     devices={"cpu": CPU, "ram": RAM},
@@ -84,8 +79,8 @@ What the memory on cpu was:
   other                256.00M       8.00M
 
 Allocation sites alive at the peak on cpu:
-  256.00M  train.py:42         step
-   20.00M  model.py:10         Net.forward
+  256.00M  train.py:42         step         big = torch.empty(1024, 65536)
+   20.00M  model.py:10         Net.forward  h = torch.relu(self.fc1(x))
     1.00M  <before recording>  <module>
 
 Largest allocations alive at the peak on cpu:
@@ -93,27 +88,27 @@ Largest allocations alive at the peak on cpu:
     8.00M  fc1.weight         parameters  (2048, 1024)   torch.float32  -
   512.00B  Tensor@train.py:7  other       -              -              -
 
-Modules: highest memory in use on cpu while each ran:
-  module  type    forward  backward  calls
-  (top)   Net     280.00M   300.00M      1
-  fc1     Linear  100.00M   290.00M      3
-  relu    ReLU    120.00M         -      3
+Modules on cpu: what a forward call added and kept, how far a backward rose:
+  module  type    forward kept  backward rise  calls
+  (top)   Net           20.00M         24.00M      1
+  relu    ReLU          16.00M              -      3
+  fc1     Linear        12.00M         10.00M      3
 
 Notes:
   - Allocations by other processes are not counted."""
 
 
 def test_text_of_a_full_record() -> None:
-    assert render.text(RECORD) == EXPECTED
+    assert render.text(RECORD, width=100) == EXPECTED
 
 
 def test_top_cuts_the_lists_and_says_what_was_left_out() -> None:
     head = EXPECTED[: EXPECTED.index("Allocation sites")]
-    assert render.text(RECORD, top=2) == head + (
+    assert render.text(RECORD, top=2, width=100) == head + (
         """\
 Allocation sites alive at the peak on cpu:
-  256.00M  train.py:42  step
-   20.00M  model.py:10  Net.forward
+  256.00M  train.py:42  step         big = torch.empty(1024, 65536)
+   20.00M  model.py:10  Net.forward  h = torch.relu(self.fc1(x))
   ... and 1 more site (1.00M)
 
 Largest allocations alive at the peak on cpu:
@@ -121,10 +116,10 @@ Largest allocations alive at the peak on cpu:
     8.00M  fc1.weight  parameters  (2048, 1024)   torch.float32  -
   ... and 1 more allocation (512.00B)
 
-Modules: highest memory in use on cpu while each ran:
-  module  type    forward  backward  calls
-  (top)   Net     280.00M   300.00M      1
-  fc1     Linear  100.00M   290.00M      3
+Modules on cpu: what a forward call added and kept, how far a backward rose:
+  module  type  forward kept  backward rise  calls
+  (top)   Net         20.00M         24.00M      1
+  relu    ReLU        16.00M              -      3
   ... and 1 more module
 
 Notes:
@@ -132,18 +127,47 @@ Notes:
     )
 
 
-def test_top_sorts_modules_by_their_highest_peak_when_it_cuts() -> None:
-    lines = render.text(RECORD, top=1).splitlines()
-    start = lines.index("Modules: highest memory in use on cpu while each ran:")
-    assert lines[start : start + 4] == [
-        "Modules: highest memory in use on cpu while each ran:",
-        "  module  type  forward  backward  calls",
-        "  (top)   Net   280.00M   300.00M      1",
-        "  ... and 2 more modules",
+def test_modules_by_what_their_forward_kept_ties_in_order_of_first_call() -> None:
+    modules = (
+        ModulePeak("a", "Linear", "cpu", 900 * M, 950 * M, 1, 4096, 8192),
+        ModulePeak("b", "ReLU", "cpu", 10 * M, None, 1, 8192, None),
+        ModulePeak("c", "Linear", "cpu", 800 * M, 990 * M, 2, 4096, 0),
+    )
+    lines = render.text(RunRecord({}, modules, 1.0), width=100).splitlines()
+    start = lines.index(
+        "Modules on cpu: what a forward call added and kept, how far a backward rose:"
+    )
+    assert lines[start + 1 :] == [
+        "  module  type    forward kept  backward rise  calls",
+        "  b       ReLU           8.00K              -      1",
+        "  a       Linear         4.00K          8.00K      1",
+        "  c       Linear         4.00K          0.00B      2",
+    ]  # the absolute peaks (900M, 990M, ...) stay in the JSON
+
+
+def test_the_source_of_a_site_is_cut_to_the_width() -> None:
+    sites = (
+        Site("train.py", 41, "main", 4 * M, source="losses.append(loss)  # keeps every graph"),
+        Site("/very/long/path/to/the/project/data.py", 7, "load", M, source="x = y"),
+    )
+    run = DeviceRun("cpu", 0, 5 * M, 1.0, 0, ((1.0, 5 * M),), sites_at_peak=sites)
+    record = RunRecord({"cpu": run}, (), 1.0)
+
+    def sites_of(width: int) -> list[str]:
+        lines = render.text(record, width=width).splitlines()
+        start = lines.index("Allocation sites alive at the peak on cpu:")
+        return lines[start + 1 : start + 3]
+
+    assert sites_of(120) == [
+        "  4.00M  train.py:41                               main  "
+        "losses.append(loss)  # keeps every graph",
+        "  1.00M  /very/long/path/to/the/project/data.py:7  load  x = y",
     ]
-    second = render.text(RECORD, top=2).splitlines()
-    assert "  fc1     Linear  100.00M   290.00M      3" in second  # 290M beats relu's 120M
-    assert not any(line.startswith("  relu") for line in second)
+    assert sites_of(85)[0] == (
+        "  4.00M  train.py:41                               main  losses.append(loss)  # ke..."
+    )
+    assert sites_of(80)[0].endswith("  main  losses.append(loss)...")  # no space before ...
+    assert sites_of(20) == sites_of(80)  # however narrow the terminal, the line's start shows
 
 
 def test_top_zero_shows_no_rows_but_says_how_many_there_were() -> None:
@@ -218,87 +242,13 @@ def test_modules_and_notes_without_devices() -> None:
         "\n"
         "No device was recorded.\n"
         "\n"
-        "Modules: highest memory in use on cpu while each ran:\n"
-        "  module  type  forward  backward  calls\n"
-        "  (top)   Net     3.00B         -      2\n"
+        "Modules on cpu: what a forward call added and kept, how far a backward rose:\n"
+        "  module  type  forward kept  backward rise  calls\n"
+        "  (top)   Net          0.00B              -      2\n"
         "\n"
         "Notes:\n"
         "  - n."
     )
-
-
-# -- SVG -------------------------------------------------------------------------------------
-
-
-def parse_svg(markup: str) -> ET.Element:
-    root = ET.fromstring(markup)
-    assert root.tag == f"{SVG}svg"
-    return root
-
-
-def texts(root: ET.Element) -> list[str]:
-    return ["".join(t.itertext()) for t in root.iter(f"{SVG}text")]
-
-
-def points(root: ET.Element) -> list[tuple[float, float]]:
-    (line,) = root.iter(f"{SVG}polyline")
-    pairs = line.attrib["points"].split()
-    return [(float(x), float(y)) for x, y in (p.split(",") for p in pairs)]
-
-
-def test_svg_is_a_step_chart_with_the_peak_marked() -> None:
-    root = parse_svg(chart.timeline(CPU))
-    assert root.attrib["width"] == "720" and root.attrib["height"] == "180"
-    labels = texts(root)
-    assert "peak 300.00M at 2.41s" in labels
-    assert labels[0] == "cpu: highest bytes in use per interval"
-    assert len(points(root)) == 2 * len(CPU.timeline)  # each interval: its start and end
-    xs = [x for x, _ in points(root)]
-    assert xs == sorted(xs)
-    (dot,) = root.iter(f"{SVG}circle")
-    peak_y = {y for (x, y) in points(root) if x == float(dot.attrib["cx"])}
-    assert float(dot.attrib["cy"]) in peak_y  # the dot sits on the line at the peak
-
-
-def test_svg_axis_labels_are_readable_sizes_and_seconds() -> None:
-    labels = texts(parse_svg(chart.timeline(CPU)))
-    sizes = [label for label in labels if re.fullmatch(r"\d+\.\d\d[BKMGTP]", label)]
-    assert sizes == ["0.00B", "100.00M", "200.00M", "300.00M", "400.00M"]
-    assert 3 <= len(sizes) <= 5
-    assert [label for label in labels if re.fullmatch(r"[\d.]+s", label)] == [
-        "0s",
-        "1s",
-        "2s",
-        "3s",
-        "4s",
-    ]
-
-
-@pytest.mark.parametrize("peak", [0, 1, 3, 1000, 1023, 1025, 5 * 2**30, 3 * 2**50])
-def test_svg_has_three_to_five_size_ticks_covering_the_peak(peak: int) -> None:
-    run = DeviceRun("cpu", 0, peak, 1.0, 0, ((1.0, peak),))
-    labels = texts(parse_svg(chart.timeline(run)))
-    sizes = [label for label in labels if re.fullmatch(r"-?\d+\.\d\d[BKMGTP]", label)]
-    assert 3 <= len(sizes) <= 5
-    assert sizes[0] == "0.00B"
-    assert f"peak {readable_size(peak)} at 1.00s" in labels
-
-
-def test_svg_of_an_empty_timeline_and_of_one_point() -> None:
-    empty = DeviceRun("cuda:1", 0, 5 * M, 0.0, 0, ())
-    root = parse_svg(chart.timeline(empty, width=300, height=100))
-    assert list(root.iter(f"{SVG}polyline")) == []
-    assert "No timeline was recorded; peak 5.00M at 0.00s" in texts(root)
-
-    single = DeviceRun("cpu", 0, 5 * M, 0.0, 0, ((0.0, 5 * M),))
-    root = parse_svg(chart.timeline(single))
-    assert len(points(root)) == 2
-    assert "peak 5.00M at 0.00s" in texts(root)
-
-
-def test_svg_escapes_the_device_name() -> None:
-    run = DeviceRun('<&"dev">', 0, 1, 0.5, 0, ((0.5, 1),))
-    assert texts(parse_svg(chart.timeline(run)))[0] == '<&"dev">: highest bytes in use per interval'
 
 
 # -- HTML ------------------------------------------------------------------------------------
@@ -313,7 +263,36 @@ def test_html_has_the_tables_and_one_chart_per_device() -> None:
     assert cells[7:9] == ["~500.00M", "2.50s"]
     assert "(1024, 65536)" in cells and "Net.forward" in cells
     assert "Allocations by other processes are not counted." in "".join(root.itertext())
-    assert "<script" not in fragment
+    (script,) = root.iter("script")  # the charts' hover, once, inline
+    assert script.text == f"\n{chart.SCRIPT}" and not script.attrib
+    sources = [c for c in root.iter("td") if c.find("code") is not None]
+    assert ["".join(c.itertext()) for c in sources] == [
+        "big = torch.empty(1024, 65536)",
+        "h = torch.relu(self.fc1(x))",
+        "",
+    ]
+
+
+def test_html_shows_the_stacks_at_the_peak_after_the_sites() -> None:
+    root = ET.fromstring(render.html(RECORD))
+    titles = ["".join(h.itertext()) for h in root.iter("h4")]
+    at = titles.index("Allocation sites alive at the peak on cpu:")
+    assert titles[at + 1].startswith("Stacks alive at the peak on cpu")
+    (icicle,) = (d for d in root.iter("div") if d.get("class") == "torchmem-icicle")
+    (top,) = (d for d in icicle if d.get("data-depth") == "0")
+    assert int(top.attrib["data-bytes"]) == CPU.peak_bytes  # 23M named by no site: a box too
+
+
+def test_long_cells_are_cut_in_the_middle_and_shapes_never_wrap() -> None:
+    path = "/home/someone/projects/a-rather-long-project-name/src/package/models/transformer.py:120"
+    held = Held("w", 4 * M, "parameters", (1024, 1024), "torch.float32", site=path)
+    run = DeviceRun("cpu", 0, 4 * M, 0.1, 0, ((0.1, 4 * M),), largest_at_peak=(held,))
+    root = ET.fromstring(render.html(RunRecord({"cpu": run}, (), 0.1)))
+    (table,) = (t for t in root.iter("table") if "(1024, 1024)" in "".join(t.itertext()))
+    assert "white-space: nowrap" in table.attrib["style"]
+    (cut,) = (s for s in table.iter("span") if s.get("title") == path)
+    assert cut.text == "/home/someone/.../src/package/models/transformer.py:120"
+    assert len(cut.text) <= kit.LONG
 
 
 def test_html_escapes_what_the_record_holds() -> None:
@@ -322,7 +301,8 @@ def test_html_escapes_what_the_record_holds() -> None:
     record = RunRecord({"cpu": run}, (), 0.1, command=("<script>",), notes=("a < b",))
     fragment = render.html(record)
     ET.fromstring(fragment)
-    assert "<b>" not in fragment and "<script>" not in fragment
+    ours = f"<script>\n{chart.SCRIPT}</script>"
+    assert "<b>x" not in fragment and "<script>" not in fragment.replace(ours, "")
     assert "&lt;b&gt;x&lt;/b&gt;" in fragment
 
 
@@ -340,7 +320,7 @@ def test_page_is_a_standalone_document_without_network_references() -> None:
     )
     assert "http" not in document
     assert "//" not in document
-    assert "<script" not in document and "<link" not in document
+    assert document.count("<script") == 1 and "<link" not in document
     assert "url(" not in document and "@import" not in document and "src=" not in document
     root = ET.fromstring(document)  # well-formed: parses as XML too
     assert root.tag == "html"
@@ -365,59 +345,3 @@ def test_dataframe_has_a_row_per_device() -> None:
     assert frame["other_at_peak"].iloc[0] == 256 * M
     assert pd.isna(frame["other_at_peak"].iloc[1])
     assert render.dataframe(RunRecord({}, (), 0.0)).shape == (0, 5 + len(CATEGORIES))
-
-
-# -- In a browser ----------------------------------------------------------------------------
-
-BROWSERS = ("chromium", "chromium-browser", "google-chrome")
-
-
-def browser() -> str:
-    for name in BROWSERS:
-        found = shutil.which(name)
-        if found:
-            return found
-    pytest.skip(f"no headless browser: none of {', '.join(BROWSERS)} is on PATH")
-
-
-def screenshot(path: Path, png: Path) -> list[str]:
-    """Open `path` in headless Chromium, save a screenshot to `png`, and return the lines of
-    its log that report the page's console messages and uncaught errors (``INFO:CONSOLE``)."""
-    done = subprocess.run(
-        [
-            browser(),
-            "--headless=new",
-            "--no-sandbox",
-            "--disable-gpu",
-            f"--screenshot={png}",
-            "--window-size=1000,1400",
-            "--enable-logging=stderr",
-            "--v=0",
-            path.resolve().as_uri(),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr
-    return [line for line in done.stderr.splitlines() if ":CONSOLE" in line or "Uncaught" in line]
-
-
-def test_the_console_check_catches_a_broken_page(tmp_path: Path) -> None:
-    broken = tmp_path / "broken.html"
-    broken.write_text(
-        '<!DOCTYPE html><html><head><meta charset="utf-8"><title>x</title></head>'
-        "<body><p>x</p><script>undefinedFunction();</script></body></html>"
-    )
-    errors = screenshot(broken, tmp_path / "broken.png")
-    assert any("Uncaught ReferenceError" in line for line in errors)
-
-
-def test_page_renders_in_a_browser_without_errors(tmp_path: Path) -> None:
-    report = tmp_path / "run_report.html"
-    report.write_text(render.page(RECORD), encoding="utf-8")
-    png = tmp_path / "run_report.png"
-    assert screenshot(report, png) == []
-    assert png.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
-    assert png.stat().st_size > 20_000  # a blank 1000x1400 page is a few kilobytes

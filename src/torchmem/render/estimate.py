@@ -65,18 +65,19 @@ def html(record: EstimateRecord, top: int = 10) -> str:
     parts = [
         f"<h3>{markup.escape(_headline(record))}</h3>",
         f"<table><thead><tr>{cells}</tr></thead><tbody><tr>{row}</tr></tbody></table>",
-        f'<div class="torchmem-charts">{chart.timeline(record.run, inline=True)}</div>',
+        chart.timeline(record.run),
         details_html(record.run, record.modules, top),
     ]
     for title, items in _lists(record):
         entries = "".join(f"<li>{markup.escape(item)}</li>" for item in items)
         parts.append(f"<h4>{markup.escape(title)}</h4><ul>{entries}</ul>")
+    parts.append(f"<script>\n{chart.SCRIPT}</script>")
     return '<div class="torchmem-estimate">' + "\n".join(parts) + "</div>"
 
 
 def page(record: EstimateRecord, top: int = 10) -> str:
-    """A complete HTML document of :func:`html` that opens offline (no scripts, fonts or
-    links to fetch)."""
+    """A complete HTML document of :func:`html` that opens offline (one inline script, the
+    chart's hover; no fonts or links to fetch)."""
     return page_of(_headline(record), html(record, top))
 
 

@@ -16,7 +16,7 @@ from typing import Any
 from torchmem.errors import require
 from torchmem.records.ranks import Imbalance, RankRun, RanksRecord
 from torchmem.records.run import CATEGORIES, DeviceRun
-from torchmem.render import run as single
+from torchmem.render import chart, run as single
 from torchmem.render.kit import (
     MISSING,
     SAMPLED,
@@ -214,7 +214,8 @@ def text(record: RanksRecord, top: int = 10) -> str:
 
 def html(record: RanksRecord, top: int = 10) -> str:
     """:func:`text` as an HTML fragment: the table, the remarks, then every rank's report
-    in a ``<details>`` element that opens without scripts (the highest rank's open)."""
+    in a ``<details>`` element that opens without scripts (the highest rank's open), and
+    once the script of the charts' hover."""
     parts = [f"<h3>{markup.escape(_headline(record))}</h3>", section_html(_table(record))]
     parts += [f"<p>{markup.escape(line)}</p>" for line in _remarks(record)]
     detail = highest(record)
@@ -222,8 +223,10 @@ def html(record: RanksRecord, top: int = 10) -> str:
         opened = " open" if run is detail else ""
         parts.append(
             f"<details{opened}><summary>rank {run.rank} on {markup.escape(run.host)}</summary>"
-            f"{single.html(run.report, top)}</details>"
+            f"{single.html(run.report, top, hover=False)}</details>"
         )
+    if record.ranks:
+        parts.append(f"<script>\n{chart.SCRIPT}</script>")
     return '<div class="torchmem-ranks">' + "\n".join(parts) + "</div>"
 
 

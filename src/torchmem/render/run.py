@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import html as markup
 import shlex
+import shutil
 from collections.abc import Sequence
 from typing import Any
 
 from torchmem.errors import require
 from torchmem.records.run import CATEGORIES, DeviceRun, Held, ModulePeak, RunRecord, Site
-from torchmem.render import chart
+from torchmem.render import chart, icicle
 from torchmem.render.kit import (
     MISSING,
     SAMPLED,
@@ -33,6 +34,9 @@ from torchmem.render.kit import (
 from torchmem.units import readable_size
 
 TITLE = "torchmem: where the memory went"
+SOURCE = 24
+"""The fewest characters of a site's line the text report shows, however narrow the
+terminal."""
 
 
 def _headline(record: RunRecord) -> str:
@@ -84,17 +88,33 @@ def _site(site: Site) -> str:
     return f"{site.file}:{site.line}" if site.line else site.file
 
 
-def _sites(run: DeviceRun, top: int) -> Section | None:
+def _source(site: Site) -> str:
+    """The text of the site's line: the record's, else read now; empty where none."""
+    return site.source or icicle.source_line(site.file, site.line) or ""
+
+
+def _clip(text: str, room: int) -> str:
+    return text if len(text) <= room else text[: room - 3].rstrip() + "..."
+
+
+def _sites(run: DeviceRun, top: int, width: int | None = None) -> Section | None:
+    """The sites alive at the peak, each with the text of its line: cut to end within
+    `width` characters (at least :data:`SOURCE` of it shown); whole where None."""
     if not run.sites_at_peak:
         return None
     shown, hidden = run.sites_at_peak[:top], run.sites_at_peak[top:]
-    rows = [(readable_size(s.bytes), _site(s), s.function) for s in shown]
+    rows = [(readable_size(s.bytes), _site(s), s.function, _source(s)) for s in shown]
+    if width is not None and rows:
+        before = 2 + sum(max(len(row[i]) for row in rows) + 2 for i in range(3))
+        room = max(width - before, SOURCE)
+        rows = [(*row[:3], _clip(row[3], room)) for row in rows]
     return Section(
         f"Allocation sites alive at the peak on {run.device}:",
         rows,
-        left=(1, 2),
+        left=(1, 2, 3),
         more=more(len(hidden), "site", sum(s.bytes for s in hidden)),
         stacks=[s.stack for s in shown],
+        code=(3,),
     )
 
 
@@ -127,38 +147,33 @@ def _largest(run: DeviceRun, top: int) -> Section | None:
     )
 
 
-def _highest(module: ModulePeak) -> int:
-    return max(module.forward_peak_bytes, module.backward_peak_bytes or 0)
-
-
 def _modules(modules: Sequence[ModulePeak], top: int) -> Section | None:
-    """In the order of first call; the `top` highest, highest first, where cut."""
+    """The `top` modules whose forward kept the most, most first (ties in the order of
+    first call); each with the rise of its backward. Absolute peaks stay in the JSON."""
     if not modules:
         return None
-    shown = list(modules)
-    if len(shown) > top:
-        shown = sorted(shown, key=_highest, reverse=True)[:top]
+    shown = sorted(modules, key=lambda m: m.forward_kept_bytes, reverse=True)[:top]
     rows = [
         (
             m.name or "(top)",
             m.type,
-            readable_size(m.forward_peak_bytes),
-            size(m.backward_peak_bytes),
+            readable_size(m.forward_kept_bytes),
+            size(m.backward_rise_bytes),
             str(m.calls),
         )
         for m in shown
     ]
     devices = ", ".join(dict.fromkeys(m.device for m in modules))
     return Section(
-        f"Modules: highest memory in use on {devices} while each ran:",
+        f"Modules on {devices}: what a forward call added and kept, how far a backward rose:",
         rows,
         left=(0, 1),
-        header=("module", "type", "forward", "backward", "calls"),
+        header=("module", "type", "forward kept", "backward rise", "calls"),
         more=more(len(modules) - len(shown), "module"),
     )
 
 
-def _sections(record: RunRecord, top: int) -> list[Section]:
+def _sections(record: RunRecord, top: int, width: int | None = None) -> list[Section]:
     """The report's blocks after the headline, in order; those with nothing to show left out."""
     top = max(top, 0)
     found: list[Section | None] = []
@@ -169,28 +184,57 @@ def _sections(record: RunRecord, top: int) -> list[Section]:
         found.append(_categories(main))
     found += [_categories(run) for name, run in record.devices.items() if run is not main]
     if main is not None:
-        found += [_sites(main, top), _largest(main, top)]
+        found += [_sites(main, top, width), _largest(main, top)]
     found.append(_modules(record.modules, top))
     return [section for section in found if section is not None]
 
 
-def _details(run: DeviceRun, modules: Sequence[ModulePeak], top: int) -> list[Section]:
-    found = [_categories(run), _sites(run, top), _largest(run, top), _modules(modules, top)]
+def _details(
+    run: DeviceRun, modules: Sequence[ModulePeak], top: int, width: int | None = None
+) -> list[Section]:
+    found = [
+        _categories(run),
+        _sites(run, top, width),
+        _largest(run, top),
+        _modules(modules, top),
+    ]
     return [section for section in found if section is not None]
 
 
-def details_text(run: DeviceRun, modules: Sequence[ModulePeak], top: int = 10) -> list[str]:
+def _width(width: int | None) -> int:
+    return shutil.get_terminal_size((100, 24)).columns if width is None else width
+
+
+def details_text(
+    run: DeviceRun, modules: Sequence[ModulePeak], top: int = 10, width: int | None = None
+) -> list[str]:
     """One device's blocks of :func:`text` (categories, sites, largest allocations,
     modules), each a string of lines, for other reports built on the same records."""
-    return ["\n".join(section_text(s)) for s in _details(run, modules, max(top, 0))]
+    sections = _details(run, modules, max(top, 0), _width(width))
+    return ["\n".join(section_text(s)) for s in sections]
+
+
+def stacks_html(run: DeviceRun) -> str:
+    """The icicle of `run`'s stacks alive at the peak, under a title; empty where none."""
+    drawn = icicle.html(run)
+    if not drawn:
+        return ""
+    title = f"Stacks alive at the peak on {run.device} (width: bytes; hover a box for its line):"
+    return f"<h4>{markup.escape(title)}</h4>{drawn}"
 
 
 def details_html(run: DeviceRun, modules: Sequence[ModulePeak], top: int = 10) -> str:
-    """The blocks of :func:`details_text` as HTML, as :func:`html` shows them."""
-    return "".join(section_html(s) for s in _details(run, modules, max(top, 0)))
+    """The blocks of :func:`details_text` as HTML, as :func:`html` shows them, the stacks
+    at the peak after the sites."""
+    parts = []
+    for section in _details(run, modules, max(top, 0)):
+        parts.append(section_html(section))
+        if section.title.startswith("Allocation sites"):
+            parts.append(stacks_html(run))
+    return "".join(parts)
 
 
-def text(record: RunRecord, top: int = 10) -> str:
+def text(record: RunRecord, top: int = 10, width: int | None = None) -> str:
     """The terminal summary, sizes as :func:`~torchmem.units.readable_size` prints them::
 
         torchmem: where the memory went (12.30s, exit code 0)
@@ -203,47 +247,57 @@ def text(record: RunRecord, top: int = 10) -> str:
           parameters             8.00M       8.00M
           ...
 
-    Then the allocation sites and the largest allocations alive at the peak of the main
-    device, and the modules. `top` limits each of these three lists (the modules then
-    shown are those whose forward or backward peak was highest); a line says how many
-    more there were. A missing value shows as ``-``, a sampled peak is marked ``~``.
+    Then the allocation sites alive at the peak of the main device, each with the text of
+    its line (cut to end within `width` characters, the terminal's width where None), the
+    largest allocations alive then, and the modules by what their forward kept. `top`
+    limits each of these three lists; a line says how many more there were. A missing
+    value shows as ``-``, a sampled peak is marked ``~``.
     """
     blocks = [[_headline(record)]]
     if record.command:
         blocks[0].append(f"command: {shlex.join(record.command)}")
     if not record.devices:
         blocks.append(["No device was recorded."])
-    blocks += [section_text(section) for section in _sections(record, top)]
+    blocks += [section_text(section) for section in _sections(record, top, _width(width))]
     if record.notes:
         blocks.append(["Notes:"] + [f"  - {note}" for note in record.notes])
     return "\n\n".join("\n".join(block) for block in blocks)
 
 
-def html(record: RunRecord, top: int = 10) -> str:
+def html(record: RunRecord, top: int = 10, hover: bool = True) -> str:
     """The summary of :func:`text` as an HTML fragment (Jupyter's ``_repr_html_``): the
-    same tables, and after the devices one :func:`svg` timeline per device."""
+    same tables; after the devices one :func:`~torchmem.render.chart.timeline` per device
+    (by category, with the run's phases; hover for an interval's values); after the sites
+    the stacks alive at the peak (:mod:`~torchmem.render.icicle`). `hover` adds the
+    charts' script (:data:`~torchmem.render.chart.SCRIPT`); a page of several runs adds
+    it once itself."""
     parts = [f"<h3>{markup.escape(_headline(record))}</h3>"]
     if record.command:
         parts.append(f"<p>command: <code>{markup.escape(shlex.join(record.command))}</code></p>")
     if not record.devices:
         parts.append("<p>No device was recorded.</p>")
+    main = record.devices.get(record.main_device)
     for index, section in enumerate(_sections(record, top)):
         parts.append(section_html(section))
         if index == 0 and record.devices:
-            charts = "".join(
-                chart.timeline(run, inline=True, until=record.duration)
+            parts += [
+                chart.timeline(run, record.phases, until=record.duration)
                 for run in record.devices.values()
-            )
-            parts.append(f'<div class="torchmem-charts">{charts}</div>')
+            ]
+        if main is not None and section.title.startswith("Allocation sites"):
+            parts.append(stacks_html(main))
     if record.notes:
         items = "".join(f"<li>{markup.escape(note)}</li>" for note in record.notes)
         parts.append(f"<h4>Notes</h4><ul>{items}</ul>")
+    if record.devices and hover:
+        parts.append(f"<script>\n{chart.SCRIPT}</script>")
     return '<div class="torchmem-run">' + "\n".join(parts) + "</div>"
 
 
 def page(record: RunRecord, top: int = 10) -> str:
     """A complete HTML document of :func:`html`: one file that opens offline, with an
-    inline style sheet and no scripts, fonts, images or links to fetch."""
+    inline style sheet and one inline script (the charts' hover), and no fonts, images or
+    links to fetch."""
     name = f"{TITLE}: {shlex.join(record.command)}" if record.command else TITLE
     return page_of(name, html(record, top))
 

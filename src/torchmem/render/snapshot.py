@@ -174,9 +174,8 @@ def _timeline_svg(device: DeviceSnapshot) -> str:
         device.active_bytes,
         device.timeline,
     )
-    return chart.timeline(
-        run, inline=True
-    )  # inside a page: no namespace, so the page names no address
+    # No hover script on this page: each interval's values show as its SVG title.
+    return chart.timeline(run)
 
 
 def segment_map(device: DeviceSnapshot, top: int = 10, width: int = 720) -> str:
@@ -234,9 +233,9 @@ def html(record: SnapshotRecord, top: int = 10) -> str:
         else:
             parts.append(section_html(part))
         if index == 0 and devices:
-            charts = [_timeline_svg(d) for d in devices if d.timeline and d.timed]
-            charts += [segment_map(d, top) for d in devices if d.segments]
-            parts.append(f'<div class="torchmem-charts">{"".join(charts)}</div>')
+            parts += [_timeline_svg(d) for d in devices if d.timeline and d.timed]
+            maps = "".join(segment_map(d, top) for d in devices if d.segments)
+            parts.append(f'<div class="torchmem-charts">{maps}</div>')
     return encodable('<div class="torchmem-snapshot">' + "\n".join(parts) + "</div>")
 
 

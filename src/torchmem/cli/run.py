@@ -22,6 +22,7 @@ from torchmem.errors import CommandError, TorchmemError
 from torchmem.records import TOP
 
 if TYPE_CHECKING:
+    from torchmem.cli.live import Progress
     from torchmem.ranks import Launch, RanksReport
     from torchmem.recording import Recording, RunReport
 
@@ -74,6 +75,21 @@ class RunCommand(Command):
             "-q", "--quiet", action="store_true", help="print no summary (with --json/--html)"
         )
         parser.add_argument(
+            "--live",
+            action="store_true",
+            help="while the script runs, show on stderr (a terminal) each device's memory now"
+            " and its peak so far, the lines whose CPU allocations are alive, the elapsed time"
+            ' and the optimizer steps; needs rich (pip install "torchmem[live]")',
+        )
+        parser.add_argument(
+            "--no-progress",
+            dest="progress",
+            action="store_false",
+            help="do not show the progress line (one line on stderr, rewritten in place, shown"
+            " after 3 seconds where stderr is a terminal, while the script's output is quiet;"
+            " -q and runs under torchrun show none)",
+        )
+        parser.add_argument(
             "--no-sites",
             dest="sites",
             action="store_false",
@@ -116,22 +132,25 @@ class RunCommand(Command):
             launch = Launch.from_environ()
         except ValueError as exc:
             raise CommandError(str(exc), 2) from None
+        shown = _progress(args, recording.device, launch)  # rich is missing: said first
         if launch is not None:
             try:
                 launch.connect()
             except (RuntimeError, OSError) as exc:
                 where = f"{launch.address}:{launch.port}"
                 raise CommandError(f"cannot reach the launcher's store at {where}: {exc}") from None
-        run = _Run(args, tuple(argv), recording, launch, ModuleType("__main__"), os.getpid())
+        run = _Run(args, tuple(argv), recording, launch, ModuleType("__main__"), os.getpid(), shown)
         threads = set(threading.enumerate())
         recording.start()
         try:
+            if shown is not None:
+                shown.start()
             code, error, interrupted = _execute(target, argv, is_module, run.main)
         except _NotRunnable as exc:  # as python says it: one line, no report of nothing
-            recording.stop()
+            run.abort()
             raise CommandError(str(exc)) from None
         except BaseException:
-            recording.stop(vars(run.main))
+            run.abort(vars(run.main))
             raise
         if any(not t.daemon for t in set(threading.enumerate()) - threads):
             # Python waits for the script's non-daemon threads when this returns, then runs
@@ -159,6 +178,14 @@ class _Run:
     """The script's ``__main__``: its globals name the tensors they hold in the report."""
     pid: int
     """The process that started the recording: the only one that reports."""
+    progress: Progress | None = None
+    """What shows the run while it runs (``--live``, the progress line): gone before the
+    report."""
+
+    def abort(self, variables: dict[str, object] | None = None) -> None:
+        """Stop showing the run, and stop the recording (`variables` name its tensors)."""
+        _stop(self.progress)
+        self.recording.stop(variables)
 
     def finish(self, code: int, error: str | None) -> int:
         """Stop the recording, print and write the report; return the exit code `code`.
@@ -169,6 +196,7 @@ class _Run:
         """
         if os.getpid() != self.pid:
             return code
+        _stop(self.progress)
         args, launch = self.args, self.launch
         self.recording.stop(vars(self.main))
         report = replace(self.recording.report(args.top), exit_code=code, command=self.command)
@@ -200,6 +228,29 @@ def _finish_at_exit(run: _Run, code: int, error: str | None) -> None:
         run.finish(code, error)
     except CommandError as exc:
         _say(f"torchmem run: error: {exc}")
+
+
+def _progress(
+    args: argparse.Namespace, device: str | None, launch: Launch | None
+) -> Progress | None:
+    """What shows the run while it runs: the ``--live`` view (under torchrun, rank 0's),
+    the progress line (never under torchrun, whose ranks share a terminal), or nothing."""
+    from torchmem.cli.live import progress
+
+    live = args.live and (launch is None or launch.rank == 0)
+    wanted = args.progress and not args.quiet and launch is None
+    try:
+        shown = progress(device, live, wanted, sys.stderr)
+    except ImportError as exc:
+        raise CommandError(str(exc), 2) from None
+    if live and shown is None:
+        _say("torchmem run: --live shows nothing here: stderr is not a terminal")
+    return shown
+
+
+def _stop(progress: Progress | None) -> None:
+    if progress is not None:
+        progress.stop()
 
 
 def _writable(path: str, option: str) -> str:

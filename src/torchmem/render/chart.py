@@ -265,7 +265,9 @@ def _svg(plot: Plot, run: DeviceRun, phases: Sequence[Phase], label: str, ticks:
     )
 
 
-_SMALL = "font-size: 11px; color: #555; white-space: nowrap; position: absolute"
+_SMALL = (
+    "font-size: 11px; color: #555; white-space: nowrap; position: absolute; pointer-events: none"
+)
 _TIP = (
     "position: absolute; z-index: 2; pointer-events: none; white-space: pre; "
     "font: 12px ui-monospace, Menlo, Consolas, monospace; background: #fff; color: #222; "
@@ -274,27 +276,19 @@ _TIP = (
 )
 
 
-def _labels(plot: Plot, run: DeviceRun, ticks: list[int], peak: str) -> list[str]:
-    """The size of each grid line (inside the plot, at its left) and the peak's label."""
+def _labels(plot: Plot, run: DeviceRun, ticks: list[int]) -> list[str]:
+    """The size of each grid line (inside the plot, at its left) and the peak's dot."""
     parts = [
         f'<span style="{_SMALL}; left: 3px; top: {plot.top(tick)}; transform: '
         f"translateY({'0' if tick == ticks[-1] else '-100%'}); "
         f'background: rgba(255, 255, 255, 0.75)">{_escape(readable_size(tick))}</span>'
         for tick in ticks
     ]
-    at = run.peak_time / plot.seconds
-    # Beyond 60% of the width the label ends at the peak, so that it stays on the page.
-    side = f"right: {100 - at * 100:.3f}%" if at > 0.6 else f"left: {plot.left(run.peak_time)}"
-    shift = "translateX(-8px)" if at > 0.6 else "translateX(8px)"
     parts.append(
-        f'<span class="torchmem-peak-label" style="{_SMALL}; color: {PEAK}; font-weight: 600; '
-        f"{side}; top: {plot.top(run.peak_bytes)}; transform: {shift} translateY(-50%); "
-        f'background: rgba(255, 255, 255, 0.8)">{_escape(peak)}</span>',
-    )
-    parts.append(
-        f'<span style="position: absolute; left: {plot.left(run.peak_time)}; '
+        f'<span class="torchmem-peak-dot" style="position: absolute; '
+        f"left: {plot.left(run.peak_time)}; "
         f"top: {plot.top(run.peak_bytes)}; width: 7px; height: 7px; border-radius: 50%; "
-        f'background: {PEAK}; transform: translate(-50%, -50%)"></span>'
+        f'background: {PEAK}; transform: translate(-50%, -50%); pointer-events: none"></span>'
     )
     return parts
 
@@ -351,10 +345,18 @@ def timeline(run: DeviceRun, phases: Sequence[Phase] = (), *, until: float = 0.0
     sampled = " (sampled)" if not run.exact else ""
     what = "by category, " if run.timeline_categories is not None else ""
     title = f"{run.device}: bytes in use, {what}highest per interval{sampled}"
+    # The peak's label is in the legend, where it wraps with it: in the plot it would
+    # leave a narrow window.
+    mark = (
+        f'<span class="torchmem-peak-label" style="color: {PEAK}; font-weight: 600; '
+        f'white-space: nowrap">{_escape(peak)}</span>'
+        if run.timeline
+        else ""
+    )
     head = (
         '<div style="display: flex; flex-wrap: wrap; gap: 2px 14px; align-items: baseline; '
         f'font-size: 12px; margin: 0 0 6px"><b style="font-size: 13px">{_escape(title)}</b>'
-        f"{''.join(_legend(run, phases))}</div>"
+        f"{mark}{''.join(_legend(run, phases))}</div>"
     )
     block = (
         '<div class="torchmem-chart" style="position: relative; margin: 10px 0 14px; '
@@ -368,6 +370,6 @@ def timeline(run: DeviceRun, phases: Sequence[Phase] = (), *, until: float = 0.0
     label = f"{title}, {peak}"
     return (
         f'{block}<div style="position: relative">{_svg(plot, run, phases, label, y_ticks)}'
-        f"{''.join(_labels(plot, run, y_ticks, peak))}</div>{_x_axis(plot)}"
+        f"{''.join(_labels(plot, run, y_ticks))}</div>{_x_axis(plot)}"
         f'<div class="torchmem-tip" hidden="" style="{_TIP}"></div></div>'
     )

@@ -21,7 +21,8 @@ SAMPLED = "~"
 STYLE = """\
 body { font-family: system-ui, -apple-system, "Segoe UI", sans-serif; color: #222;
        margin: 24px auto; padding: 0 24px; max-width: 1400px; line-height: 1.35; }
-@media (max-width: 600px) { body { margin: 12px auto; padding: 0 10px; } }
+@media (max-width: 600px) { body { margin: 12px auto; padding: 0 10px; }
+                            th, td { padding: 3px 6px; } }
 h3 { margin: 0 0 6px; font-size: 1.2em; }
 h4 { margin: 20px 0 6px; }
 table { border-collapse: collapse; margin: 4px 0; }

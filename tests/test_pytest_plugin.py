@@ -203,8 +203,8 @@ def test_a_failure_says_what_held_memory_at_the_peak(
             " * in use when it started)",
             "*- torchmem: what held memory at the peak on cpu -*",
             "Allocation sites alive at the peak on cpu:",
-            "*4.00M  */test_peak.py:6  test_two_tensors",
-            "*2.00M  */test_peak.py:7  test_two_tensors",
+            "*4.00M  */test_peak.py:6  test_two_tensors*",
+            "*2.00M  */test_peak.py:7  test_two_tensors*",
             "Largest allocations alive at the peak on cpu:",
             "*4.00M  Tensor@test_peak.py:6  other*",
             "*2.00M  Tensor@test_peak.py:7  other*",
@@ -606,7 +606,7 @@ def test_a_test_that_records_itself_is_explained_all_the_same(
         [
             "Test was limited to 1.00M but peaked at 4.00M on cpu *",
             "Allocation sites alive at the peak on cpu:",
-            "*4.00M  */test_nested.py:8  test_records",
+            "*4.00M  */test_nested.py:8  test_records*",
         ]
     )
 

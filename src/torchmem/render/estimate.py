@@ -10,7 +10,7 @@ from torchmem.records.estimate import EstimateRecord
 from torchmem.records.run import CATEGORIES
 from torchmem.render import chart
 from torchmem.render.kit import page as page_of
-from torchmem.render.run import details_html, details_text
+from torchmem.render.run import details_html, details_text, terminal_width
 from torchmem.render.text import table
 from torchmem.units import readable_size
 
@@ -51,7 +51,7 @@ def text(record: EstimateRecord, top: int = 10) -> str:
     """The terminal summary: the totals, then what the memory was at the peak, the lines
     and largest allocations alive then, each module's peaks, and what was modelled."""
     blocks = [_headline(record), "\n".join(table(_totals(record)))]
-    blocks += details_text(record.run, record.modules, top)
+    blocks += details_text(record.run, record.modules, top, terminal_width())
     for title, items in _lists(record):
         blocks.append("\n".join([title] + [f"  - {item}" for item in items]))
     return "\n\n".join(blocks)

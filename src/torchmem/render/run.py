@@ -201,16 +201,19 @@ def _details(
     return [section for section in found if section is not None]
 
 
-def _width(width: int | None) -> int:
-    return shutil.get_terminal_size((100, 24)).columns if width is None else width
+def terminal_width() -> int:
+    """The terminal's width in characters (100 where there is none)."""
+    return shutil.get_terminal_size((100, 24)).columns
 
 
 def details_text(
     run: DeviceRun, modules: Sequence[ModulePeak], top: int = 10, width: int | None = None
 ) -> list[str]:
     """One device's blocks of :func:`text` (categories, sites, largest allocations,
-    modules), each a string of lines, for other reports built on the same records."""
-    sections = _details(run, modules, max(top, 0), _width(width))
+    modules), each a string of lines, for other reports built on the same records; the
+    sites' lines cut to end within `width` characters, whole where None (a failing test's
+    explanation, whose lines pytest's own wrap)."""
+    sections = _details(run, modules, max(top, 0), width)
     return ["\n".join(section_text(s)) for s in sections]
 
 
@@ -258,7 +261,8 @@ def text(record: RunRecord, top: int = 10, width: int | None = None) -> str:
         blocks[0].append(f"command: {shlex.join(record.command)}")
     if not record.devices:
         blocks.append(["No device was recorded."])
-    blocks += [section_text(section) for section in _sections(record, top, _width(width))]
+    width = terminal_width() if width is None else width
+    blocks += [section_text(section) for section in _sections(record, top, width)]
     if record.notes:
         blocks.append(["Notes:"] + [f"  - {note}" for note in record.notes])
     return "\n\n".join("\n".join(block) for block in blocks)

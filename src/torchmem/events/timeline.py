@@ -205,12 +205,18 @@ class Timeline:
         if not moves.shape[1]:
             return
         born, marked, old, new, size = moves
-        alive = (born[:, None] <= self._seq) & (self._seq < marked[:, None])
         weights = np.zeros((len(size), KNOWN), np.int64)
         weights[np.arange(len(size)), new] = size
         known = old < KNOWN
         weights[np.flatnonzero(known), old[known]] -= size[known]
-        self._parts += alive.T.astype(np.int64) @ weights
+        # Each move spans the moments kept from its allocation to its mark: a run of them
+        # in order of their rows, added as a difference at its two ends.
+        order = np.argsort(self._seq, kind="stable")
+        ranked = self._seq[order]
+        steps = np.zeros((len(ranked) + 1, KNOWN), np.int64)
+        np.add.at(steps, np.searchsorted(ranked, born), weights)
+        np.add.at(steps, np.searchsorted(ranked, marked), -weights)
+        self._parts[order] += np.cumsum(steps[:-1], axis=0)
 
     def _halve(self) -> None:
         pairs = np.arange(0, FINE, 2)

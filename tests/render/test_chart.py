@@ -108,6 +108,15 @@ def test_forward_and_backward_passes_are_bands_at_their_times() -> None:
     }
 
 
+def test_passes_closer_than_a_thousandth_of_the_run_are_one_band() -> None:
+    passes = (Phase("forward", 0.1, 0.2), Phase("forward", 0.2005, 0.3), Phase("forward", 0.5, 0.6))
+    d = path(svg(chart.timeline(RUN, passes)), "torchmem-phase")
+    assert [(float(x), float(w)) for x, w in re.findall(r"M([^,]+),0h([^v]+)v", d)] == [
+        (0.1, 0.3 - 0.1),  # 0.5 ms apart in a 1 s run
+        (0.5, 0.6 - 0.5),
+    ]
+
+
 def test_many_steps_are_thinned_to_every_nth() -> None:
     steps = tuple(Phase("step", i / 1000, i / 1000 + 0.0005) for i in range(450))
     block = chart.timeline(RUN, steps)

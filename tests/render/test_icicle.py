@@ -36,9 +36,10 @@ def device(model: Path) -> DeviceRun:
             ),
         ),
         Site("train.py", 30, "main", 3 * M + 7),  # no stack: under the root
-        Site("<before recording>", 0, "", 2048),
+        Site("<before recording>", 0, "", 8192),
+        Site("train.py", 31, "main", 4000),  # under 1/2000 of the peak: not drawn
     )
-    peak = sum(s.bytes for s in sites) + 1000
+    peak = sum(s.bytes for s in sites) + 8000
     return DeviceRun("cpu", 0, peak, 1.0, 0, ((1.0, peak),), sites_at_peak=sites)
 
 
@@ -53,7 +54,7 @@ def test_the_boxes_sum_to_the_peak_exactly(tmp_path: Path) -> None:
     boxes = icicle.boxes(icicle.tree(run))
     assert boxes[0].node.frame is None and boxes[0].node.bytes == run.peak_bytes
     leaves = [b.node.bytes for b in boxes if not b.node.children]
-    assert sum(leaves) == run.peak_bytes == 8 * M + 7 + 2048 + 1000
+    assert sum(leaves) == run.peak_bytes == 8 * M + 7 + 8192 + 4000 + 8000
     for box in boxes:  # a box holds exactly what lies under it (no site ends inside here)
         if box.node.children:
             assert sum(c.bytes for c in box.node.children.values()) == box.node.bytes
@@ -65,8 +66,9 @@ def test_outermost_frame_on_top_and_each_site_at_its_own_line(tmp_path: Path) ->
     assert [(f, n.bytes) for f, n in root.children.items()] == [
         (("train.py", 90, "<module>"), 5 * M),
         (("train.py", 30, "main"), 3 * M + 7),
-        (("<before recording>", 0, ""), 2048),
-        ((icicle.UNNAMED, 0, ""), 1000),
+        (("<before recording>", 0, ""), 8192),
+        (("train.py", 31, "main"), 4000),
+        ((icicle.UNNAMED, 0, ""), 8000),
     ]
     script = root.children[("train.py", 90, "<module>")]
     assert [(f, n.bytes) for f, n in script.children.items()] == [
@@ -94,10 +96,11 @@ def test_html_has_a_box_per_frame_with_its_line_on_hover(tmp_path: Path) -> None
     run = device(model)
     root = ET.fromstring(icicle.html(run))
     boxes = [d for d in root.iter("div") if d.get("class") == "torchmem-box"]
-    assert len(boxes) == len(icicle.boxes(icicle.tree(run))) == 9
+    assert len(boxes) == len(icicle.boxes(icicle.tree(run))) - 1 == 9  # train.py:31 too small
+    assert "main (train.py:31)" not in [b.text for b in boxes]
     (top,) = (b for b in boxes if b.attrib["data-depth"] == "0")
     assert int(top.attrib["data-bytes"]) == run.peak_bytes
-    assert top.text == "all alive at the peak: 8,391,663 bytes (8.00M)"
+    assert top.text == "all alive at the peak: 8,408,807 bytes (8.02M)"
     titles = {b.text: b.attrib["title"] for b in boxes}
     assert titles["main (train.py:41)"] == (
         "main\ntrain.py:41\n4,194,304 bytes (4.00M)\nlosses.append(loss)"
@@ -106,7 +109,7 @@ def test_html_has_a_box_per_frame_with_its_line_on_hover(tmp_path: Path) -> None
     assert titles["Net.forward (model.py:2)"].endswith("\nreturn self.fc(x)  # the line")
     # Library lines name their frame only.
     assert titles["forward (linear.py:125)"] == f"forward\n{TORCH}:125\n1,048,576 bytes (1.00M)"
-    assert titles["<before recording>"] == "<before recording>\n2,048 bytes (2.00K)"
+    assert titles["<before recording>"] == "<before recording>\n8,192 bytes (8.00K)"
 
 
 def test_no_sites_no_icicle() -> None:

@@ -190,16 +190,30 @@ def _steps(phases: Sequence[Phase]) -> tuple[list[Phase], int]:
     return steps[::every], every
 
 
+def _bands(phases: Sequence[Phase], kind: str, gap: float) -> list[tuple[float, float]]:
+    """``(start, end)`` of the phases of `kind`, those less than `gap` seconds apart as one
+    (a thousand steps would be a thousand bands narrower than a pixel)."""
+    found: list[tuple[float, float]] = []
+    for phase in phases:
+        if phase.kind != kind:
+            continue
+        if found and phase.start - found[-1][1] < gap:
+            found[-1] = (found[-1][0], max(found[-1][1], phase.end))
+        else:
+            found.append((phase.start, phase.end))
+    return found
+
+
 def _phases(plot: Plot, phases: Sequence[Phase]) -> list[str]:
-    """Forward and backward passes as bands in the lane at the top; a thin line across
-    the plot at the start of each optimizer step."""
+    """Forward and backward passes as bands in the lane at the top (those closer than a
+    thousandth of the plot's width as one); a thin line across the plot at the start of
+    each optimizer step."""
     lane = number(plot.top_bytes * LANE)
     parts = []
     for kind in ("forward", "backward"):
         bands = "".join(
-            f"M{number(p.start)},0h{number(p.end - p.start)}v{lane}h-{number(p.end - p.start)}z"
-            for p in phases
-            if p.kind == kind
+            f"M{number(start)},0h{number(end - start)}v{lane}h-{number(end - start)}z"
+            for start, end in _bands(phases, kind, plot.seconds / 1000)
         )
         if bands:
             parts.append(

@@ -24,6 +24,9 @@ from torchmem.render.chart import exact
 
 ROW = 20
 """Pixels per level of the stacks."""
+SMALLEST = 2000
+"""Boxes narrower than 1/SMALLEST of the root are left out of the HTML (their bytes stay
+in the boxes above them), so that a run with thousands of small sites stays a small page."""
 UNNAMED = "(not named by a site)"
 """The box of bytes alive at the peak that no site names."""
 
@@ -143,12 +146,13 @@ def _colour(node: Node) -> str:
 
 def html(run: DeviceRun) -> str:
     """The icicle of `run`'s stacks at the peak: HTML, as wide as the page, one row of
-    :data:`ROW` pixels per level; empty where the device has no sites."""
+    :data:`ROW` pixels per level, boxes narrower than 1/:data:`SMALLEST` of it left out;
+    empty where the device has no sites."""
     if not run.sites_at_peak:
         return ""
     root = tree(run)
-    found = boxes(root)
     total = root.bytes or 1
+    found = [box for box in boxes(root) if box.node.bytes * SMALLEST >= total]
     depth = max(box.depth for box in found) + 1
     parts = []
     for box in found:

@@ -345,3 +345,14 @@ def test_dataframe_has_a_row_per_device() -> None:
     assert frame["other_at_peak"].iloc[0] == 256 * M
     assert pd.isna(frame["other_at_peak"].iloc[1])
     assert render.dataframe(RunRecord({}, (), 0.0)).shape == (0, 5 + len(CATEGORIES))
+
+
+def test_a_notebook_cells_site_reads_as_ipython_says_it() -> None:
+    cell = Site(
+        "In [4]", 3, "<module>", 4 * M, stack=(("In [4]", 3, "<module>"),), source="y = f(x)"
+    )
+    run = DeviceRun("cpu", 0, 4 * M, 1.0, 0, ((1.0, 4 * M),), sites_at_peak=(cell,))
+    record = RunRecord({"cpu": run}, (), 1.0)
+    assert "  4.00M  In [4], line 3  <module>  y = f(x)" in render.text(record, width=100)
+    boxes = [d for d in ET.fromstring(render.html(record)).iter("div") if d.get("data-depth")]
+    assert [b.text for b in boxes][1] == "<module> (In [4], line 3)"

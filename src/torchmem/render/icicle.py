@@ -18,7 +18,7 @@ import linecache
 import zlib
 from dataclasses import dataclass, field
 
-from torchmem.records.frames import USER, Frame, kind
+from torchmem.records.frames import USER, Frame, kind, located
 from torchmem.records.run import DeviceRun, Site
 from torchmem.render.chart import exact
 
@@ -122,8 +122,8 @@ def _label(node: Node) -> tuple[str, str]:
             f"all alive at the peak\n{exact(node.bytes)}",
         )
     file, line, function = node.frame
-    where = f"{file}:{line}" if line else file
-    short = f"{file.replace(chr(92), '/').rsplit('/', 1)[-1]}:{line}" if line else file
+    where = located(file, line)
+    short = located(file.replace("\\", "/").rsplit("/", 1)[-1], line)
     text = f"{function} ({short})" if function else short
     tip = f"{function}\n{where}" if function else where
     tip += f"\n{exact(node.bytes)}"

@@ -9,7 +9,7 @@ import html as markup
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from torchmem.records.frames import Stack
+from torchmem.records.frames import Stack, located
 from torchmem.render.text import encodable, table
 from torchmem.units import readable_size
 
@@ -124,7 +124,7 @@ def _cell(tag: str, value: str, left: bool, code: bool = False) -> str:
 def _stack_cell(value: str, stack: Stack) -> str:
     """A site's cell whose stack opens on a click: no script, a ``<details>``."""
     frames = "".join(
-        f"<li><code>{markup.escape(f'{file}:{line}')}</code> {markup.escape(function)}</li>"
+        f"<li><code>{markup.escape(located(file, line))}</code> {markup.escape(function)}</li>"
         for file, line, function in stack
     )
     return (

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+from torchmem.records.frames import located
 from torchmem.records.limits import Elsewhere, Origin, Usage, Verdict
 from torchmem.render.kit import SAMPLED, size
 from torchmem.render.run import details_text
@@ -90,7 +91,7 @@ def _origins(origins: Sequence[Origin]) -> str:
     Allocated at:
       4.00M  /home/me/project/test_model.py:21  test_no_leak  CACHE.append(...)
     """
-    rows = [(readable_size(o.bytes), f"{o.file}:{o.line}", o.function, o.code) for o in origins]
+    rows = [(readable_size(o.bytes), located(o.file, o.line), o.function, o.code) for o in origins]
     lines = ["  " + line for line in table(rows, left=(1, 2, 3))]
     return "\n".join(["Allocated at:", *lines]) + "\n"
 

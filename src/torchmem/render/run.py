@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from torchmem.errors import require
+from torchmem.records.frames import located
 from torchmem.records.run import CATEGORIES, DeviceRun, Held, ModulePeak, RunRecord, Site
 from torchmem.render import chart, icicle
 from torchmem.render.kit import (
@@ -85,7 +86,7 @@ def _categories(run: DeviceRun) -> Section | None:
 
 
 def _site(site: Site) -> str:
-    return f"{site.file}:{site.line}" if site.line else site.file
+    return located(site.file, site.line)
 
 
 def _source(site: Site) -> str:

@@ -14,6 +14,7 @@ import html as markup
 from typing import Any
 
 from torchmem.errors import require
+from torchmem.records.frames import located
 from torchmem.records.run import DeviceRun
 from torchmem.records.snapshot import (
     Block,
@@ -72,7 +73,7 @@ def _devices(record: SnapshotRecord) -> Section:
 
 
 def _where(file: str, line: int) -> str:
-    return f"{file}:{line}" if line else file
+    return located(file, line)
 
 
 def _sites(device: DeviceSnapshot, top: int) -> Section | None:

@@ -65,7 +65,13 @@ def test_a_script_runs_as_main_and_its_report_is_exact(tmp_path: Path) -> None:
     assert cpu["peak_bytes"] == cpu["end_bytes"] + 256 * MiB
     top = report["sites_at_peak"][0]
     assert top.pop("stack")[0] == ["known.py", BIG_LINE, "<module>"]
-    assert top == {"file": "known.py", "line": BIG_LINE, "function": "<module>", "bytes": 256 * MiB}
+    assert top == {
+        "file": "known.py",
+        "line": BIG_LINE,
+        "function": "<module>",
+        "bytes": 256 * MiB,
+        "source": "big = torch.zeros(64, 1024, 1024)",
+    }
     modules = [(m["name"], m["type"], m["forward_peak_bytes"]) for m in report["modules"]]
     before = 8 * MiB + 256 * KiB
     assert modules == [

@@ -58,8 +58,7 @@ LIVE = textwrap.dedent(
     """
 )
 QUIET = "import time\nimport torch\n\nx = torch.zeros(1024, 1024)\ntime.sleep(SECONDS)\n"
-WAITS = "import time\nimport torch\n\nx = torch.zeros(1024, 1024)\nprint('ready', flush=True)\n"
-WAITS += "time.sleep(60)\n"
+READY = "import time\nimport torch\n\nx = torch.zeros(1024, 1024)\nprint('ready', flush=True)\n"
 
 
 class Screen:
@@ -208,16 +207,27 @@ def test_without_a_terminal_there_is_nothing_but_the_report(tmp_path: Path) -> N
 
 @counting
 @unix
-def test_ctrl_c_removes_the_live_view_and_ends_as_without_it(tmp_path: Path) -> None:
-    (tmp_path / "script.py").write_text(WAITS)
+@pytest.mark.parametrize(
+    ("end", "code", "said"),
+    [
+        ("time.sleep(60)", -signal.SIGINT, "KeyboardInterrupt"),  # Ctrl-C a second after
+        ("time.sleep(1.5)\nraise ValueError('boom')", 1, "ValueError: boom"),
+    ],
+    ids=["ctrl-c", "error"],
+)
+def test_the_live_view_is_removed_as_a_run_ends_badly_and_the_end_is_as_without_it(
+    tmp_path: Path, end: str, code: int, said: str
+) -> None:
+    (tmp_path / "script.py").write_text(READY + end + "\n")
     words = ("--device", "cpu", "script.py")
-    live_code, live = in_terminal("--live", *words, cwd=tmp_path, interrupt_after="ready")
-    code, without = in_terminal(*words, cwd=tmp_path, interrupt_after="ready")
-    assert live_code == code == -signal.SIGINT, live
+    interrupt = "ready" if code < 0 else None
+    live_code, live = in_terminal("--live", *words, cwd=tmp_path, interrupt_after=interrupt)
+    plain_code, without = in_terminal(*words, cwd=tmp_path, interrupt_after=interrupt)
+    assert live_code == plain_code == code, live
     assert re.search(r"cpu +4\.00M +4\.00M", "\n".join(plain(live)))  # it was shown
     screen = Screen(live).lines
     assert not live_view(screen), screen
-    assert "KeyboardInterrupt" in "\n".join(screen).partition(TITLE)[0]
+    assert said in "\n".join(screen).partition(TITLE)[0]
     assert untimed(screen) == untimed(Screen(without).lines)
 
 
@@ -274,15 +284,17 @@ def test_the_live_view_lists_devices_and_the_sites_alive() -> None:
     ]
 
 
+def read(gauges: Gauges) -> Reading:
+    """What `gauges` read from a thread of torchmem's own, as the views read them."""
+    found: list[Reading] = []
+    thread = background_thread(lambda: found.append(gauges.read()), "torchmem-test")
+    thread.start()
+    thread.join()
+    return found[0]
+
+
 @counting
 def test_the_gauges_read_exact_bytes_steps_and_sites_from_a_thread_of_torchmems() -> None:
-    def read() -> Reading:
-        found: list[Reading] = []
-        thread = background_thread(lambda: found.append(gauges.read()), "torchmem-test")
-        thread.start()
-        thread.join()
-        return found[0]
-
     model = torch.nn.Linear(4, 4)  # 80 bytes of parameters, 80 of gradients once stepped
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     recording = record("cpu").start()
@@ -296,17 +308,36 @@ def test_the_gauges_read_exact_bytes_steps_and_sites_from_a_thread_of_torchmems(
         for _ in range(2):
             model(torch.ones(2, 4)).sum().backward()
             optimizer.step()
-        running = read()
+        running = read(gauges)
         recording.stop()
-        tallied = read()
+        tallied = read(gauges)
     finally:
         gauges.close()
         recording.stop()
     optimizer.step()  # the hook is gone: not counted
     assert running.devices == (DeviceNow("cpu", before + 4 * MiB + 80, before + 12 * MiB),)
-    assert running.steps == 2 and read().steps == 2
+    assert running.steps == 2 and read(gauges).steps == 2
     here = Path(__file__).name
     assert tallied.sites[0].bytes == 4 * MiB
     assert re.fullmatch(rf".*{here}:\d+  test_the_gauges_read_.*", tallied.sites[0].site)
     assert tallied.sites_at is not None and 0 <= tallied.sites_at <= tallied.elapsed
+    del x
+
+
+@pytest.mark.cuda
+def test_the_gauges_read_a_gpus_exact_bytes_from_a_thread_of_torchmems() -> None:
+    recording = record("cuda:0").start()
+    gauges = Gauges("cuda:0")
+    gauges.open()
+    try:
+        before = torch.cuda.memory_allocated(0)
+        x = torch.zeros(256, 1024, device="cuda")  # 1 MiB, a multiple of the allocator's blocks
+        y = torch.zeros(512, 1024, device="cuda")
+        del y
+        reading = read(gauges)
+    finally:
+        gauges.close()
+        recording.stop()
+    assert reading.devices == (DeviceNow("cuda:0", before + MiB, before + 3 * MiB),)
+    assert (reading.sites, reading.sites_at) == ((), None)  # no CPU log in this recording
     del x

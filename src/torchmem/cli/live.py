@@ -373,7 +373,8 @@ class ProgressLine(Progress):
     are. So it yields: where Linux counts what the process writes (``/proc/self/io``), any
     byte written but its own hides the line until the script has been silent for
     :data:`DELAY` seconds (a script that prints every second shows none; a write between
-    two refreshes may still land after it once).
+    two refreshes may still land after it once). Clearing writes spaces over the terminal's
+    current line: what the script left there without a newline goes with it.
     """
 
     delay = DELAY
@@ -405,8 +406,9 @@ class ProgressLine(Progress):
         self._width = len(text)
 
     def _end(self) -> None:
-        if not self._foreign():  # else the terminal's line may be the script's: left as is
-            self._clear()
+        # Even after a write of the script's: one to a file (a checkpoint) leaves the line
+        # where it was, and after a line to the terminal the spaces fall on an empty one.
+        self._clear()
 
     def _foreign(self) -> bool:
         """Whether this process wrote anything since the last look but the line itself."""

@@ -12,9 +12,10 @@ the stream started is adopted when a mark first names it: it was alive all along
 
 :class:`Tally` keeps only what the report reads: the allocations alive now and those
 alive at the highest use so far (each with its size, site, time, category and name), a
-timeline of per-interval maxima that halves its resolution as the run grows, each
-module's highest use, and a window of the most recent allocations and frees. Everything
-else is dropped as soon as it is counted.
+timeline of per-interval maxima and their categories that halves its resolution as the
+run grows (:mod:`torchmem.events.timeline`), each module's highest use and what its
+passes added, and a window of the most recent allocations and frees. Everything else is
+dropped as soon as it is counted.
 """
 
 from __future__ import annotations
@@ -244,8 +245,10 @@ class Tally:
         table.name[changed] = chosen >> 3
 
     def _probes(self, rows: np.ndarray, kind: np.ndarray, cur: np.ndarray, table: Table) -> None:
-        """Each module's highest use during its passes, and the spans of its backward
-        passes (to name what autograd's engine allocated)."""
+        """Each module's highest use during its passes, what they added (a forward call:
+        use at its close less use at its opening; a backward pass: its highest less use at
+        its opening), and the spans of its backward passes (to name what autograd's engine
+        allocated)."""
         at = np.flatnonzero(kind >= OPEN)
         if len(at):
             number, op, module = rows[at, PTR], kind[at], rows[at, SITE]

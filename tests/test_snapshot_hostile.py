@@ -508,6 +508,7 @@ def test_a_file_name_that_is_not_utf8_is_written_escaped(tmp_path: Path) -> None
         "function": "main",
         "bytes": 512,
         "stack": [[NOT_UTF8, 3, "main"]],
+        "source": None,  # no such file to read the line from
     }
 
 

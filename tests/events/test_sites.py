@@ -243,12 +243,12 @@ def test_html_shows_a_sites_stack_on_demand_and_text_does_not() -> None:
     html = render_run.html(record)
     assert (
         '<td style="text-align: left"><details><summary>train.py:5</summary>'
-        '<ol style="margin: 2px 0; text-align: left">'
+        '<ol style="margin: 2px 0; padding-left: 1.6em; text-align: left">'
         "<li><code>/lib/site-packages/einops/_backends.py:288</code> einsum</li>"
         "<li><code>train.py:5</code> f&lt;g&gt;</li></ol></details></td>"
     ) in html
     assert html.count("<details>") == 1  # a site without a stack is a plain cell
-    assert "<script" not in html
+    assert "<script" not in html  # no timeline: no chart to hover
     assert "einops" not in render_run.text(record)
 
 

@@ -294,7 +294,7 @@ def html(record: RunRecord, top: int = 10, hover: bool = True) -> str:
     if record.notes:
         items = "".join(f"<li>{markup.escape(note)}</li>" for note in record.notes)
         parts.append(f"<h4>Notes</h4><ul>{items}</ul>")
-    if record.devices and hover:
+    if hover and any(run.timeline for run in record.devices.values()):  # a chart to hover
         parts.append(f"<script>\n{chart.SCRIPT}</script>")
     return '<div class="torchmem-run">' + "\n".join(parts) + "</div>"
 

@@ -18,7 +18,7 @@ requests the trace records (:mod:`torchmem.records.caching`): ``max_memory_alloc
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, NamedTuple, NoReturn
 
@@ -57,9 +57,11 @@ long stack the stack of a site on each of thousands of devices; PyTorch's are te
 frames."""
 
 
-def load_snapshot(path: str | Path) -> Snapshot:
+def load_snapshot(path: str | Path, what_if: bool = False) -> Snapshot:
     """Read the memory snapshot at `path` (``torch.cuda.memory._dump_snapshot(path)``)
-    without running anything from it.
+    without running anything from it. With `what_if`, each device's trace is also replayed
+    under other allocator settings (:func:`torchmem.estimator.whatif.what_if`, its
+    defaults): :attr:`DeviceSnapshot.what_if`.
 
     Raises:
         SnapshotError: the file is not a regular file (refused before it is opened), not a
@@ -75,7 +77,7 @@ def load_snapshot(path: str | Path) -> Snapshot:
             raise
         except Exception as exc:  # a damaged pickle fails anywhere in the opcode loop
             raise SnapshotError(f"{name} is not a pickle: {exc}") from None
-        snapshot = Snapshot.from_dict(data, name)
+        snapshot = Snapshot.from_dict(data, name, what_if)
         del data  # freed while the collector still pauses, which would walk all of it once more
     return snapshot
 
@@ -91,15 +93,18 @@ class Snapshot(SnapshotRecord, Report):
     """How many sites and segments the text and HTML list."""
 
     @classmethod
-    def from_dict(cls, data: object, source: str = "") -> Snapshot:
+    def from_dict(cls, data: object, source: str = "", what_if: bool = False) -> Snapshot:
         """Analyse a snapshot in memory (``torch.cuda.memory._snapshot()``); `source`
-        names it in reports and errors.
+        names it in reports and errors; `what_if` as :func:`load_snapshot`.
 
         Raises:
             SnapshotError: `data` is not a snapshot; the message says what is wrong.
         """
         with without_gc():
-            return cls(_Reader(source).devices(data), source)
+            devices = _Reader(source).devices(data)
+            if what_if:
+                devices = _what_ifs(data, devices)
+            return cls(devices, source)
 
     def diff(self, later: Snapshot) -> SnapshotDiff:
         """What changed from this snapshot to `later`: totals and the allocation sites of
@@ -127,6 +132,16 @@ class SnapshotDiff(SnapshotDiffRecord):
         from torchmem.render import snapshot
 
         return snapshot.diff_text(self, TOP)
+
+
+def _what_ifs(data: Any, devices: dict[int, DeviceSnapshot]) -> dict[int, DeviceSnapshot]:
+    """`devices` (read from `data`, so checked), each with a trace given its what-if."""
+    from torchmem.estimator.whatif import what_if
+
+    return {
+        index: replace(device, what_if=what_if(data, device=index)) if device.entries else device
+        for index, device in devices.items()
+    }
 
 
 def _site_bytes(snapshot: SnapshotRecord) -> dict[tuple[str, int, str], int]:

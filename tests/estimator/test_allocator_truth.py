@@ -65,6 +65,7 @@ def layouts(data: dict[str, Any]) -> list[Layout]:
             s["stream"],
             s["segment_type"] == "small",
             tuple((b["address"], b["size"]) for b in s["blocks"] if b["state"] != "inactive"),
+            s.get("is_expandable", False),
         )
         for s in data["segments"]
     ]

@@ -27,6 +27,10 @@ class SnapshotCommand(Command):
         " allocated, active and reserved, the peak of its trace and when, the allocation"
         " sites alive at the peak, each segment with the bytes free inside it and its"
         " largest free block, and the out of memory event of the trace where it has one."
+        " With --what-if, each device's trace is also replayed through a model of the caching"
+        " allocator under other settings (expandable_segments:True, max_split_size_mb:64,"
+        " garbage_collection_threshold:0.6, PyTorch's defaults): the reserved peak each"
+        " would have given, and how fragmented the memory was at the peak."
         " 'torchmem snapshot diff A B' prints what changed from A to B (a file named diff"
         " is ./diff)."
     )
@@ -42,6 +46,12 @@ class SnapshotCommand(Command):
             metavar="N",
             help="list N sites and segments (default: %(default)s)",
         )
+        parser.add_argument(
+            "--what-if",
+            action="store_true",
+            help="replay each trace under other allocator settings: the reserved peak each"
+            " would have given, and the fragmentation at the peak",
+        )
         parser.add_argument("paths", nargs="*", metavar="PATH", help="a snapshot (a pickle)")
 
     def run(self, args: argparse.Namespace) -> int:
@@ -55,15 +65,16 @@ class SnapshotCommand(Command):
         if paths[0] == "diff":
             if len(paths) != 3:
                 raise CommandError("diff compares two snapshots: diff A B", 2)
-            if args.html:
-                raise CommandError("--html shows one snapshot, not a diff", 2)
+            if args.html or args.what_if:
+                option = "--html" if args.html else "--what-if"
+                raise CommandError(f"{option} shows one snapshot, not a diff", 2)
             diff = _load(paths[1]).diff(_load(paths[2]))
             _save_json(args.json, diff)
             print(snapshot.diff_text(diff, args.top))
             return 0
         if len(paths) != 1:
             raise CommandError(f"one snapshot at a time (or diff A B), not {len(paths)}", 2)
-        loaded = _load(paths[0])
+        loaded = _load(paths[0], args.what_if)
         _save_json(args.json, loaded)
         if args.html:
             dataclasses.replace(loaded, top=args.top).save_html(args.html)
@@ -71,12 +82,12 @@ class SnapshotCommand(Command):
         return 0
 
 
-def _load(path: str) -> Snapshot:
+def _load(path: str, what_if: bool = False) -> Snapshot:
     from torchmem.errors import SnapshotError
     from torchmem.snapshot import load_snapshot
 
     try:
-        return load_snapshot(path)
+        return load_snapshot(path, what_if)
     except SnapshotError as exc:
         raise CommandError(str(exc)) from None
     except OSError as exc:

@@ -1,6 +1,6 @@
 """A model of PyTorch's CUDA caching allocator, replayed over a run's allocations and frees.
 
-It follows ``c10/cuda/CUDACachingAllocator.cpp`` with its default settings:
+It follows ``c10/cuda/CUDACachingAllocator.cpp``, with its default settings:
 
 - a request is rounded up to a multiple of 512 bytes (512 at least);
 - requests of at most 1 MiB come from the small pool, larger ones from the large pool;
@@ -15,8 +15,17 @@ It follows ``c10/cuda/CUDACachingAllocator.cpp`` with its default settings:
 - where a new segment would exceed the memory there is, every wholly free segment is
   released first (``release_cached_blocks``), and only then is it out of memory;
 - with ``expandable_segments:True`` each pool is one segment that grows at its end in
-  pages of 2 MiB (small pool) or 20 MiB (large pool) as needed, and a block is split
-  when at least 512 bytes remain in either pool.
+  pages of 2 MiB (small pool) or 20 MiB (large pool) as needed, a block is split when at
+  least 512 bytes remain in either pool, and the best fit passes over the free block at
+  the segment's end for a larger one elsewhere (it counts as large as it can grow);
+- with ``max_split_size_mb`` a block of at least that size is never split: a request
+  under it takes no such block, and a request of at least it takes one only if it is
+  less than 20 MiB larger; short of memory, such blocks are released first;
+- with ``garbage_collection_threshold`` and a memory fraction set
+  (``torch.cuda.set_per_process_memory_fraction``), a request no cached block serves
+  first releases wholly free large segments, the oldest (by the pool's searches since
+  they were cached) first, while more than the threshold's share of the allowed memory
+  is reserved.
 
 A segment's address is the driver's choice; the model numbers its own segments from
 2**40 unless told otherwise (:mod:`torchmem.estimator.replay` gives it the addresses a
@@ -33,6 +42,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from torchmem.errors import OutOfMemory
+from torchmem.estimator.settings import DEFAULTS, Settings
 from torchmem.records.caching import (
     LARGE_BUFFER as LARGE_BUFFER,
     MIN_BLOCK as MIN_BLOCK,
@@ -73,6 +83,8 @@ class Layout(NamedTuple):
     used: tuple[tuple[int, int], ...]
     """(address, bytes) of each block in use (allocated, or freed but pending), in address
     order."""
+    expandable: bool = False
+    """An expandable segment: `size` is the bytes mapped so far."""
 
 
 @dataclass(eq=False)
@@ -84,6 +96,8 @@ class _Block:
     allocated: bool = False
     prev: _Block | None = None
     next: _Block | None = None
+    cached_at: int = 0
+    """The pool's searches when it was last cached (its age counts from there)."""
 
     def key(self) -> tuple[int, int, int]:
         return (self.segment.stream, self.size, self.address)
@@ -106,19 +120,40 @@ class CachingAllocator:
     """Allocates and frees like the caching allocator, counting what it would report.
 
     Args:
-        capacity: bytes the allocator may reserve at most (None: no limit).
+        capacity: bytes the allocator may reserve at most (None: no limit): the device's
+            memory, or the share ``torch.cuda.set_per_process_memory_fraction`` allows.
         expandable: model ``expandable_segments:True``.
+        max_split_size: model ``max_split_size_mb`` (in bytes; None: no limit).
+        garbage_collection_threshold: model ``garbage_collection_threshold`` (0: off).
+        capped: whether `capacity` is a memory fraction's share (garbage collection acts
+            only then, as in PyTorch).
     """
 
-    def __init__(self, capacity: int | None = None, *, expandable: bool = False) -> None:
+    def __init__(
+        self,
+        capacity: int | None = None,
+        *,
+        expandable: bool = False,
+        max_split_size: int | None = None,
+        garbage_collection_threshold: float = 0.0,
+        capped: bool = False,
+    ) -> None:
         self.capacity = capacity
         self.expandable = expandable
+        self.max_split = max_split_size if max_split_size is not None else 1 << 64
+        self.collects = capped and capacity is not None and garbage_collection_threshold > 0
+        self.threshold = garbage_collection_threshold
+        self._searches = {True: 0, False: 0}
         self.allocated = 0
         """Bytes of allocated blocks (``memory_allocated()``)."""
         self.reserved = 0
         """Bytes of segments (``memory_reserved()``)."""
         self.allocated_peak = 0
         self.reserved_peak = 0
+        self.at_peak = (0, 0)
+        """(reserved bytes, the largest free block's bytes) when allocated bytes first
+        reached their peak."""
+        self._streams: set[int] = set()
         self._free: dict[bool, list[tuple[int, int, int]]] = {True: [], False: []}
         self._blocks: dict[tuple[int, int, int], _Block] = {}
         self._segments: dict[int, _Segment] = {}
@@ -127,6 +162,8 @@ class CachingAllocator:
         self._event = 0
         self.driver: Callable[[int, int], int] = self._own_address
         """Where a new segment of (bytes, stream) goes: the device driver's choice."""
+        self.mapped: Callable[[int, int], None] = lambda address, nbytes: None
+        """Told of the (address, bytes) mapped at the end of an expandable segment."""
 
     # Requests ------------------------------------------------------------------------
 
@@ -138,10 +175,12 @@ class CachingAllocator:
         small = size <= SMALL_SIZE
         block = self._best_fit(size, small, stream)
         if block is None:
+            if self.collects:
+                self._collect()
             block = self._grow(size, small, stream)
         self._take(block)
         remaining = block.size - size
-        if splits(size, remaining, self.expandable):
+        if splits(size, remaining, self.expandable) and (small or size < self.max_split):
             rest = _Block(block.address + size, remaining, block.segment, small)
             rest.prev, rest.next = block, block.next
             if block.next is not None:
@@ -153,7 +192,9 @@ class CachingAllocator:
             self._put(rest)
         block.allocated = True
         self.allocated += block.size
-        self.allocated_peak = max(self.allocated_peak, self.allocated)
+        if self.allocated > self.allocated_peak:
+            self.allocated_peak = self.allocated
+            self.at_peak = (self.reserved, self.largest_free())
         return block
 
     def free(self, block: _Block) -> None:
@@ -188,6 +229,9 @@ class CachingAllocator:
         in it (counted as allocated); returns those blocks, in address order."""
         segment = _Segment(layout.address, layout.size, layout.stream, blocks=0)
         self._segments[segment.address] = segment
+        if layout.expandable:
+            segment.expandable = True
+            self._growing[layout.small] = segment
         self.reserved += segment.size
         self.reserved_peak = max(self.reserved_peak, self.reserved)
         used, at, prev = [], segment.address, None
@@ -209,7 +253,9 @@ class CachingAllocator:
                 else:
                     self._put(block)
             at = address + size
-        self.allocated_peak = max(self.allocated_peak, self.allocated)
+        if self.allocated > self.allocated_peak:
+            self.allocated_peak = self.allocated
+            self.at_peak = (self.reserved, self.largest_free())
         return used
 
     def release(self, address: int) -> bool:
@@ -235,12 +281,29 @@ class CachingAllocator:
                 if block.allocated:
                     used.append((block.address, block.size))
                 block = block.next
-            found.append(Layout(address, segment.size, segment.stream, small, tuple(used)))
+            found.append(
+                Layout(
+                    address, segment.size, segment.stream, small, tuple(used), segment.expandable
+                )
+            )
         return found
 
     # Pools ---------------------------------------------------------------------------
 
+    def largest_free(self) -> int:
+        """Bytes of the largest free (cached) block; blocks not yet mapped in expandable
+        segments are not counted."""
+        largest = 0
+        for pool in self._free.values():
+            for stream in self._streams:
+                at = bisect.bisect_left(pool, (stream + 1, 0, 0)) - 1
+                if at >= 0 and pool[at][0] == stream:
+                    largest = max(largest, pool[at][1])
+        return largest
+
     def _put(self, block: _Block) -> None:
+        block.cached_at = self._searches[block.small]
+        self._streams.add(block.segment.stream)
         key = block.key()
         bisect.insort(self._free[block.small], key)
         self._blocks[key] = block
@@ -253,12 +316,26 @@ class CachingAllocator:
 
     def _best_fit(self, size: int, small: bool, stream: int) -> _Block | None:
         pool = self._free[small]
+        if self.collects:
+            self._searches[small] += 1
         at = bisect.bisect_left(pool, (stream, size, 0))
-        return self._blocks[pool[at]] if at < len(pool) and pool[at][0] == stream else None
+        if at == len(pool) or pool[at][0] != stream:
+            return None
+        block = self._blocks[pool[at]]
+        while block.segment.expandable and at + 1 < len(pool) and pool[at + 1][0] == stream:
+            following = self._blocks[pool[at + 1]]
+            if _growable(following) >= _growable(block):
+                break
+            at, block = at + 1, following
+        if size < self.max_split <= block.size:
+            return None  # an oversize block for a request under the limit
+        if size >= self.max_split and block.size >= size + LARGE_BUFFER:
+            return None  # an oversize block too much larger than the request
+        return block
 
     def _own_address(self, nbytes: int, stream: int) -> int:
         address = self._next_address
-        self._next_address += nbytes
+        self._next_address += (1 << 40) if self.expandable else nbytes  # room to grow
         return address
 
     def _grow(self, size: int, small: bool, stream: int) -> _Block:
@@ -278,15 +355,16 @@ class CachingAllocator:
     def _expand(self, size: int, small: bool, stream: int) -> _Block:
         page = SMALL_BUFFER if small else LARGE_BUFFER
         segment = self._growing.get(small)
-        if segment is None:
-            address = self._next_address
-            segment = self._growing[small] = _Segment(address, 0, stream, True, blocks=0)
-            self._next_address += 1 << 40  # room to grow
-            self._segments[address] = segment
-        tail = segment.last
+        tail = segment.last if segment is not None else None
         have = tail.size if tail is not None and not tail.allocated else 0
         nbytes = -(-(size - have) // page) * page
         self._reserve(nbytes, size)
+        if segment is None:
+            address = self.driver(nbytes, stream)
+            segment = self._growing[small] = _Segment(address, 0, stream, True, blocks=0)
+            self._segments[address] = segment
+        else:
+            self.mapped(segment.address + segment.size, nbytes)
         end = segment.address + segment.size
         segment.size += nbytes
         if have:
@@ -307,13 +385,57 @@ class CachingAllocator:
 
     def _reserve(self, nbytes: int, request: int) -> None:
         if self.capacity is not None and self.reserved + nbytes > self.capacity:
-            self._release_cached()
+            if self.max_split < 1 << 64:
+                self._release_oversize(request)
+            if self.reserved + nbytes > self.capacity:
+                self.empty_cache()
             if self.reserved + nbytes > self.capacity:
                 raise OutOfMemory(request, self._event)
         self.reserved += nbytes
         self.reserved_peak = max(self.reserved_peak, self.reserved)
 
-    def _release_cached(self) -> None:
+    def _release_oversize(self, request: int) -> None:
+        """Release the smallest free oversize segment of the large pool (stream 0) that is
+        at least as large as the request (and the limit), else the largest ones until as
+        many bytes are released (``release_available_cached_blocks``)."""
+        pool = self._free[False]
+        want = max(round_size(request), self.max_split)
+        at = bisect.bisect_left(pool, (0, want, 0))
+        if at < len(pool) and pool[at][0] == 0:
+            self.release(self._blocks[pool[at]].segment.address)
+            return
+        released = 0
+        while at > 0 and released < want and pool[at - 1][0] == 0:
+            block = self._blocks[pool[at - 1]]
+            if block.size < self.max_split:
+                break
+            released += block.size
+            self.release(block.segment.address)
+            at -= 1
+
+    def _collect(self) -> None:
+        """Release wholly free large segments by age while more than the threshold's share
+        of the capacity is reserved (``garbage_collect_cached_blocks``)."""
+        assert self.capacity is not None
+        limit = int(self.threshold * self.capacity)
+        if self.reserved <= limit:
+            return
+        target, reclaimed = self.reserved - limit, 0
+        searches = self._searches[False]
+        whole = [b for b in map(self._blocks.get, self._free[False]) if b and _whole(b)]
+        ages = sum(searches - b.cached_at for b in whole)
+        while whole and reclaimed < target:
+            threshold = ages / len(whole)
+            old = [b for b in whole if searches - b.cached_at >= threshold]
+            if not old:
+                break
+            for block in old:
+                reclaimed += block.size
+                ages -= searches - block.cached_at
+                self.release(block.segment.address)
+            whole = [b for b in whole if searches - b.cached_at < threshold]
+
+    def empty_cache(self) -> None:
         """Release every wholly free segment (expandable: the free pages at its end)."""
         for segment in list(self._segments.values()):
             if not segment.expandable:
@@ -341,10 +463,35 @@ class CachingAllocator:
                     segment.first = None
 
 
-def adopted(layouts: Iterable[Layout]) -> tuple[CachingAllocator, dict[int, _Block]]:
-    """A model holding `layouts` (segments reserved before it started), and its blocks in
-    use by address."""
-    allocator = CachingAllocator()
+def _growable(block: _Block) -> int:
+    """A free block's size for the best fit with expandable segments: the free block at
+    the end of an expandable segment can grow as large as there is memory."""
+    return 1 << 64 if block.segment.expandable and block.next is None else block.size
+
+
+def _whole(block: _Block) -> bool:
+    return block.prev is None and block.next is None and not block.segment.expandable
+
+
+def following(
+    settings: Settings, capacity: int | None = None, capped: bool = False
+) -> CachingAllocator:
+    """A model following `settings` (:class:`CachingAllocator` gives the arguments)."""
+    return CachingAllocator(
+        capacity,
+        expandable=settings.expandable_segments,
+        max_split_size=settings.max_split_size,
+        garbage_collection_threshold=settings.garbage_collection_threshold,
+        capped=capped,
+    )
+
+
+def adopted(
+    layouts: Iterable[Layout], settings: Settings = DEFAULTS
+) -> tuple[CachingAllocator, dict[int, _Block]]:
+    """A model following `settings` holding `layouts` (segments reserved before it
+    started), and its blocks in use by address."""
+    allocator = following(settings)
     used: dict[int, _Block] = {}
     for layout in layouts:
         used.update((b.address, b) for b in allocator.adopt(layout))

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from torchmem.records.run import Site
+from torchmem.records.whatif import WhatIf
 
 STATES = ("active_allocated", "active_pending_free", "inactive")
 """A block's states in a snapshot: in use, freed but still used by a stream, free."""
@@ -117,6 +118,10 @@ class DeviceSnapshot:
     timed: bool = True
     """Whether the trace's entries have times (``time_us``); where not, the peak is placed
     by :attr:`peak_entry` and the timeline is over entry numbers."""
+    what_if: WhatIf | None = None
+    """The trace replayed under other allocator settings, and the fragmentation at the
+    peak (``load_snapshot(path, what_if=True)``); None where not asked for or the device
+    has no trace."""
 
 
 @dataclass(frozen=True)
@@ -248,4 +253,5 @@ def _device_json(device: DeviceSnapshot) -> dict[str, Any]:
             "entry": oom.entry,
         },
         "timeline": [[t, b] for t, b in device.timeline],
+        "what_if": None if device.what_if is None else device.what_if.to_json(),
     }

@@ -18,7 +18,7 @@ from torchmem.events.analysis import Names, device_run, laps_run, module_peaks
 from torchmem.events.hooks import Watcher
 from torchmem.events.notes import Notes
 from torchmem.events.sources import CpuLog, CudaLog, Laps, Tallied
-from torchmem.meters import meter
+from torchmem.meters import Meter, meter
 from torchmem.meters.ram import RamMeter
 from torchmem.records import TOP
 from torchmem.records.frames import SiteKey
@@ -63,6 +63,21 @@ class Recording:
         it. Place the program's own moments on the report's time axis with it:
         ``(time.monotonic_ns() - rec.start_ns) / 1e9``."""
         return self._started
+
+    @property
+    def meters(self) -> list[Meter]:
+        """The meters this recording measures, in the order its report lists them (GPUs,
+        CPU tensors, process RAM); empty before :meth:`start`."""
+        found = [*(self._cuda.meters if self._cuda is not None else [])]
+        found += [self._cpu.meter] if self._cpu is not None else []
+        return found + [laps.meter for laps in self._laps]
+
+    @property
+    def cpu_log(self) -> CpuLog | None:
+        """The counting CPU allocator's log this recording tallies (its sites, its tally so
+        far); None where it keeps none (another device, the fallback meter, before
+        :meth:`start`)."""
+        return self._cpu
 
     def start(self) -> Recording:
         """Start recording (once)."""

@@ -28,11 +28,13 @@ from torchmem.units import readable_size
 
 if TYPE_CHECKING:
     import numpy as np
-    from rich.console import RenderableType
+    from rich.console import Console, RenderableType
+    from rich.file_proxy import FileProxy
     from torch.utils.hooks import RemovableHandle
 
     from torchmem.events.tally import Tally
     from torchmem.meters import Window
+    from torchmem.recording import Recording
     from torchmem.records.frames import SiteKey
 
 INTERVAL = 0.25
@@ -82,16 +84,11 @@ class Reading(NamedTuple):
 
 class Gauges:
     """Passive readings of a running recording: :meth:`open` in the script's thread once
-    the recording has started, :meth:`read` from any thread, :meth:`close` before the
-    recording stops.
+    `recording` has started, :meth:`read` from any thread, :meth:`close` before the
+    recording stops."""
 
-    Args:
-        device: the recording's device (:attr:`~torchmem.recording.Recording.device`):
-            None for every device it records (every GPU, CPU tensors, process RAM).
-    """
-
-    def __init__(self, device: str | None) -> None:
-        self.device = device
+    def __init__(self, recording: Recording) -> None:
+        self.recording = recording
         self._windows: list[Window] = []
         self._steps = 0
         self._hook: RemovableHandle | None = None
@@ -106,14 +103,14 @@ class Gauges:
         and find the recording's CPU tally."""
         from torch.optim.optimizer import register_optimizer_step_post_hook
 
-        from torchmem.meters import meter
-
         self._start = time.monotonic()
         try:
-            for device in _devices(self.device):
-                self._windows.append(meter(device).window())
+            for found in self.recording.meters:
+                self._windows.append(found.window())
             self._hook = register_optimizer_step_post_hook(self._count_step)
-            self._tally, self._sites = _cpu_tally(self.device)
+            log = self.recording.cpu_log
+            if log is not None and log.stream is not None:
+                self._tally, self._sites = log.tally, log.stream.sites
         except BaseException:
             self.close()
             raise
@@ -157,30 +154,6 @@ class Gauges:
         for window in windows:
             window.close()
         self._tally = None
-
-
-def _devices(device: str | None) -> list[str]:
-    """The devices a recording of `device` measures, in the order its report lists them:
-    GPUs, CPU tensors, process RAM (see :meth:`torchmem.recording.Recording.start`)."""
-    import torch
-
-    if device is not None:
-        return [device]
-    gpus = [f"cuda:{i}" for i in range(torch.cuda.device_count())]
-    return [*(gpus if torch.cuda.is_available() else []), "cpu", "ram"]
-
-
-def _cpu_tally(device: str | None) -> tuple[Tally | None, dict[int, SiteKey]]:
-    """The tally that the recording just started on the CPU log, and the log's sites (the
-    drain thread adds to them); none on the fallback meter, which keeps no log."""
-    from torchmem.events.sources import CpuLog
-
-    if device not in (None, "cpu"):
-        return None, {}
-    log = CpuLog(sites=False)  # not started: only the way to the process's one CPU log
-    if log.stream is None or not log.stream.tallies:
-        return None, {}
-    return log.stream.tallies[-1], log.stream.sites
 
 
 def _summed(site: np.ndarray, size: np.ndarray, names: dict[int, SiteKey]) -> tuple[SiteNow, ...]:
@@ -277,10 +250,11 @@ class LiveView(Progress):
     :class:`~rich.live.Live`, removed at the end.
 
     While it shows, the script's ``sys.stderr`` (and its ``sys.stdout``, where that is a
-    terminal too) are ``rich``'s proxies, which print the script's lines above the table;
-    a process the script forks gets its streams back. Output written to the file
-    descriptors directly (C code, child processes) bypasses them and may tear the table
-    until its next refresh.
+    terminal too) are proxies that print the script's lines above the table; a process the
+    script forks gets its streams back. Each line is drawn and written under the lock of
+    the view's refreshes, so that a refresh never lands between the two (``rich``'s own
+    proxies release it in between). Output written to the file descriptors directly (C
+    code, child processes) bypasses them and may tear the table until its next refresh.
     """
 
     def __init__(self, gauges: Gauges, stream: IO[str]) -> None:
@@ -294,33 +268,66 @@ class LiveView(Progress):
             console=console,
             auto_refresh=False,  # refreshed from our thread, whose readings are passive
             transient=True,
-            redirect_stdout=_isatty(sys.stdout),
-            redirect_stderr=True,
+            redirect_stdout=False,  # by our own proxies (see the class)
+            redirect_stderr=False,
         )
+        self._drawing = threading.RLock()  # reentrant: a signal handler may print mid-line
+        self._streams: dict[str, IO[str]] = {}
+        """The script's streams the proxies stand for, by name in :mod:`sys`."""
 
     def _begin(self) -> None:
-        self._live.start()
+        with self._drawing:
+            self._live.start()
+            names = ("stdout", "stderr") if _isatty(sys.stdout) else ("stderr",)
+            for name in names:
+                self._streams[name] = getattr(sys, name)
+                setattr(sys, name, _proxy(self._live.console, self._streams[name], self._drawing))
         if hasattr(os, "register_at_fork"):  # not on Windows, which has no fork
             os.register_at_fork(after_in_child=self._forget)
 
     def _show(self, reading: Reading) -> None:
-        self._live.update(view(reading), refresh=True)
+        with self._drawing:
+            self._live.update(view(reading), refresh=True)
 
     def _end(self) -> None:
-        self._live.stop()
+        with self._drawing:
+            try:
+                self._live.stop()
+            finally:
+                self._give_back()
 
     def _forget(self) -> None:
         """In a child the script forked: its streams are its own again, not proxies that
         would draw a copy of the table."""
+        if self._thread is not None:
+            self._give_back()
+            self._thread = None
+
+    def _give_back(self) -> None:
+        """The script's streams back, where they are still the proxies."""
         from rich.file_proxy import FileProxy
 
-        if self._thread is None:
-            return
-        for name in ("stdout", "stderr"):
-            stream = getattr(sys, name)
-            if isinstance(stream, FileProxy):
-                setattr(sys, name, stream.rich_proxied_file)
-        self._thread = None
+        for name, original in self._streams.items():
+            if isinstance(getattr(sys, name), FileProxy):
+                setattr(sys, name, original)
+        self._streams = {}
+
+
+def _proxy(console: Console, file: IO[str], lock: threading.RLock) -> FileProxy:
+    """A proxy of `file` that prints each line above `console`'s live view, drawing and
+    writing it while holding `lock`."""
+    from rich.file_proxy import FileProxy
+
+    class Drawn(FileProxy):
+        def write(self, text: str) -> int:
+            with lock:
+                return super().write(text)
+
+        def flush(self) -> None:
+            with lock:
+                super().flush()
+
+    return Drawn(console, file)
 
 
 def view(reading: Reading) -> RenderableType:
@@ -457,11 +464,11 @@ def _isatty(stream: IO[str] | None) -> bool:
 
 
 def progress(
-    device: str | None, live: bool, line_wanted: bool, stream: IO[str] | None
+    recording: Recording, live: bool, line_wanted: bool, stream: IO[str] | None
 ) -> Progress | None:
-    """What a run shows while it runs: the ``--live`` view where `live`, the progress line
-    where `line_wanted`, on `stream` (the run's stderr), where that is a terminal; else
-    None. Nothing starts here (see :meth:`Progress.start`).
+    """What `recording`'s run shows while it runs: the ``--live`` view where `live`, the
+    progress line where `line_wanted`, on `stream` (the run's stderr), where that is a
+    terminal; else None. Nothing starts here (see :meth:`Progress.start`).
 
     Raises:
         ImportError: `live`, but ``rich`` is not installed (the message says how).
@@ -471,5 +478,5 @@ def progress(
     if stream is None or not _isatty(stream):
         return None
     if live:
-        return LiveView(Gauges(device), stream)
-    return ProgressLine(Gauges(device), stream) if line_wanted else None
+        return LiveView(Gauges(recording), stream)
+    return ProgressLine(Gauges(recording), stream) if line_wanted else None

@@ -132,7 +132,7 @@ class RunCommand(Command):
             launch = Launch.from_environ()
         except ValueError as exc:
             raise CommandError(str(exc), 2) from None
-        shown = _progress(args, recording.device, launch)  # rich is missing: said first
+        shown = _progress(args, recording, launch)  # rich is missing: said first
         if launch is not None:
             try:
                 launch.connect()
@@ -231,7 +231,7 @@ def _finish_at_exit(run: _Run, code: int, error: str | None) -> None:
 
 
 def _progress(
-    args: argparse.Namespace, device: str | None, launch: Launch | None
+    args: argparse.Namespace, recording: Recording, launch: Launch | None
 ) -> Progress | None:
     """What shows the run while it runs: the ``--live`` view (under torchrun, rank 0's),
     the progress line (never under torchrun, whose ranks share a terminal), or nothing."""
@@ -240,7 +240,7 @@ def _progress(
     live = args.live and (launch is None or launch.rank == 0)
     wanted = args.progress and not args.quiet and launch is None
     try:
-        shown = progress(device, live, wanted, sys.stderr)
+        shown = progress(recording, live, wanted, sys.stderr)
     except ImportError as exc:
         raise CommandError(str(exc), 2) from None
     if live and shown is None:

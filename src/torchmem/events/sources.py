@@ -297,10 +297,14 @@ class CpuLog:
         self.sites = sites
         self.stream: CpuStream | None = None
         if isinstance(cpu, CpuAllocatorMeter):
-            library = cpu.library
-            self.stream = _streams.setdefault(id(library), CpuStream(library))
+            self.stream = _streams.setdefault(id(cpu.library), CpuStream(cpu.library))
         self._tally: Tally | None = None
         self._dropped = 0
+
+    @property
+    def tally(self) -> Tally | None:
+        """The log's tally since :meth:`start`, which the drain thread adds to; else None."""
+        return self._tally
 
     def start(self, origin: int) -> None:
         assert self.stream is not None
@@ -309,9 +313,9 @@ class CpuLog:
 
     def stop(self) -> Tallied:
         assert self.stream is not None and self._tally is not None
-        sites = self.stream.close(self._tally)
+        tally, self._tally = self._tally, None
         lost = self.stream.library.dropped_rows() - self._dropped
-        return Tallied("cpu", self._tally, sites, lost_rows=lost)
+        return Tallied("cpu", tally, self.stream.close(tally), lost_rows=lost)
 
 
 def _site(kind_of_site: int, site: Frame, stack: Stack) -> SiteKey:

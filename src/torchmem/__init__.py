@@ -48,6 +48,7 @@ _EXPORTS = {
         "Estimate",
         "max_batch_size",
     ),
+    "torchmem.estimator.advice": ("advise", "Advice"),
     "torchmem.lines": (
         "clear_global_line_profiler",
         "DEFAULT_COLUMNS",
@@ -179,6 +180,7 @@ if _typing.TYPE_CHECKING:
         estimate as estimate,
         max_batch_size as max_batch_size,
     )
+    from torchmem.estimator.advice import Advice as Advice, advise as advise
     from torchmem.lines import (
         DEFAULT_COLUMNS as DEFAULT_COLUMNS,
         FunctionRecord as FunctionRecord,

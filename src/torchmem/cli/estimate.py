@@ -26,7 +26,8 @@ class EstimateCommand(Command):
         " fake tensors, allocating nothing, and print the memory it would need on the"
         " device: the peak allocated and reserved (modelling PyTorch's CUDA caching"
         " allocator), the categories at the peak, the lines and the largest tensors alive"
-        " then, each module's peaks. With --capacity, print the largest batch that fits."
+        " then, each module's peaks. With --capacity, print the largest batch that fits;"
+        " with --advice, the changes that lower the memory, each with its saving."
     )
 
     def prepare_parser(self, parser: argparse.ArgumentParser) -> None:
@@ -40,7 +41,15 @@ class EstimateCommand(Command):
         parser.add_argument(
             "--capacity",
             metavar="SIZE",
-            help="print the largest batch size FUNCTION fits in SIZE (e.g. '80 GiB')",
+            help="print the largest batch size FUNCTION fits in SIZE (e.g. '80 GiB') or on a"
+            " GPU named so (H100-80GB, H200, A100-80GB, A100-40GB)",
+        )
+        parser.add_argument(
+            "--advice",
+            action="store_true",
+            help="print the changes (activation checkpointing, bf16 autocast, set_to_none,"
+            " foreach=False) that lower the step's memory, each with its estimated saving;"
+            " with --capacity and --batch, the largest batch too",
         )
         parser.add_argument(
             "--html", metavar="PATH", help="write the estimate as a self-contained HTML page"
@@ -52,30 +61,10 @@ class EstimateCommand(Command):
 
     def run(self, args: argparse.Namespace) -> int:
         from torchmem.estimator import EstimateError, estimate, max_batch_size
+        from torchmem.estimator.advice import advise
+        from torchmem.estimator.gpus import capacity
 
-        if not args.words:
-            raise CommandError("expected MODULE:FUNCTION or a .py script", exit_code=2)
-        args.target, args.args = args.words[0], args.words[1:]
-        if not args.target.endswith(".py") and args.args:
-            # A function takes no arguments of its own: what follows it are options.
-            self._parser.parse_args([*args.args, args.target], namespace=args)
-            args.target, args.args = args.words[0], []
-        if args.batch is not None and args.target.endswith(".py"):
-            raise CommandError("--batch takes a MODULE:FUNCTION: a script reads its own arguments")
-        fn, call_args = _target(args.target, args.args, args.batch)
-        if args.capacity is None and not args.target.endswith(".py"):
-            try:
-                inspect.signature(fn).bind(*call_args)
-            except TypeError:
-                raise CommandError(
-                    f"{args.target}{inspect.signature(fn)} cannot be called with"
-                    f" {'no arguments' if not call_args else f'batch {args.batch}'}:"
-                    " give it its batch size with --batch N"
-                ) from None
-            except ValueError:  # no signature to read (a builtin): the call will say
-                pass
-        if args.capacity is not None and (args.batch is not None or args.target.endswith(".py")):
-            raise CommandError("--capacity takes a MODULE:FUNCTION and no --batch")
+        fn, call_args = self._checked(args)
         started = False
 
         @functools.wraps(fn)
@@ -85,11 +74,14 @@ class EstimateCommand(Command):
             return fn(*call)
 
         try:
-            if args.capacity is not None:
-                found = max_batch_size(called, args.capacity, device=args.device)
+            if args.advice:
+                result: Any = advise(called, *call_args, device=args.device, capacity=args.capacity)
+            elif args.capacity is not None:
+                found = max_batch_size(called, capacity(args.capacity), device=args.device)
                 print(f"largest batch size that fits {args.capacity} on {args.device}: {found}")
                 return 0
-            result = estimate(called, *call_args, device=args.device)
+            else:
+                result = estimate(called, *call_args, device=args.device)
         except EstimateError as exc:
             raise CommandError(str(exc)) from None
         except CommandError:
@@ -106,6 +98,36 @@ class EstimateCommand(Command):
         if args.html:
             result.save_html(args.html)
         return 0
+
+    def _checked(self, args: argparse.Namespace) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+        """The function to estimate and its arguments, from options checked together."""
+        if not args.words:
+            raise CommandError("expected MODULE:FUNCTION or a .py script", exit_code=2)
+        args.target, args.args = args.words[0], args.words[1:]
+        script = args.target.endswith(".py")
+        if not script and args.args:
+            # A function takes no arguments of its own: what follows it are options.
+            self._parser.parse_args([*args.args, args.target], namespace=args)
+            args.target, args.args = args.words[0], []
+        if args.batch is not None and script:
+            raise CommandError("--batch takes a MODULE:FUNCTION: a script reads its own arguments")
+        if args.capacity is not None and args.advice and (args.batch is None or script):
+            raise CommandError("--advice with --capacity takes a MODULE:FUNCTION and its --batch")
+        if args.capacity is not None and not args.advice and (args.batch is not None or script):
+            raise CommandError("--capacity takes a MODULE:FUNCTION and no --batch")
+        fn, call_args = _target(args.target, args.args, args.batch)
+        if (args.capacity is None or args.advice) and not script:
+            try:
+                inspect.signature(fn).bind(*call_args)
+            except TypeError:
+                raise CommandError(
+                    f"{args.target}{inspect.signature(fn)} cannot be called with"
+                    f" {'no arguments' if not call_args else f'batch {args.batch}'}:"
+                    " give it its batch size with --batch N"
+                ) from None
+            except ValueError:  # no signature to read (a builtin): the call will say
+                pass
+        return fn, call_args
 
 
 def _target(

@@ -201,12 +201,12 @@ def test_cuda_backward_is_named_after_the_module_whose_backward_ran() -> None:
     found = Log("cuda:0", 0, 0, events, sites).tally(notes)
     run = device_run(found, 1000, Names(watcher), watcher.names, {}, 10)
     assert [(s.file, s.bytes) for s in run.sites_at_peak] == [
-        ("backward of 0", 8 * MiB),
+        ("backward of 0 (Linear)", 8 * MiB),
         ("backward of Sequential", 4 * MiB),
         (BACKWARD, MiB),
     ]
     assert {h.site for h in run.largest_at_peak} == {
-        "backward of 0",
+        "backward of 0 (Linear)",
         "backward of Sequential",
         BACKWARD,
     }
@@ -349,8 +349,9 @@ def test_a_cpu_backward_pass_is_named_after_its_modules() -> None:
         model(x).sum().backward()
     sites = {s.file: s for s in rec.report().devices["cpu"].sites_at_peak}
     # each attn's weight gradient (4 MiB) and its input's (1 MiB)
-    assert sites["backward of 1.attn"].bytes == sites["backward of 0.attn"].bytes == 5 * MiB
-    assert any(f[2] == "_engine_run_backward" for f in sites["backward of 0.attn"].stack)
+    first, second = sites["backward of 0.attn (Linear)"], sites["backward of 1.attn (Linear)"]
+    assert first.bytes == second.bytes == 5 * MiB
+    assert any(f[2] == "_engine_run_backward" for f in first.stack)
 
 
 def test_the_estimator_names_sites_by_the_same_rule(installed_library: object) -> None:
@@ -360,7 +361,7 @@ def test_the_estimator_names_sites_by_the_same_rule(installed_library: object) -
         model(torch.randn(batch, 1024, requires_grad=True)).sum().backward()
 
     sites = {s.file: s for s in torchmem.estimate(step, 256, device="cpu").run.sites_at_peak}
-    assert sites["backward of 0.attn"].bytes == 5 * MiB
+    assert sites["backward of 0.attn (Linear)"].bytes == 5 * MiB
     assert not [f for f in sites if "site-packages" in f or f == BACKWARD]
     assert all("torchmem" not in f[0] for s in sites.values() for f in s.stack)
 

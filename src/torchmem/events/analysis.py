@@ -243,8 +243,12 @@ class Names:
         return None
 
     def backward(self, module: int) -> str:
-        """``backward of <module>`` for the module of id `module`."""
-        return f"backward of {self.modules.get(module) or self._types.get(module, 'module')}"
+        """``backward of <module> (<class>)`` for the module of id `module` (``backward of
+        0 (Linear)`` for an ``nn.Sequential``'s first); ``backward of <class>`` for the
+        outermost one."""
+        kind = self._types.get(module, "module")
+        name = self.modules.get(module) or kind
+        return f"backward of {name}" if name == kind else f"backward of {name} ({kind})"
 
 
 def _join(prefix: str, name: str) -> str:

@@ -25,8 +25,9 @@ class Site:
     file: str
     """The source file; ``<before recording>`` for memory allocated before the recording
     started, ``<no Python frame>`` for allocations made by threads Python does not run
-    (PyTorch's intra-op workers), ``backward of <module>`` (``backward`` where no module is
-    known) for those autograd's engine made while computing that module's gradients."""
+    (PyTorch's intra-op workers), ``backward of <module> (<class>)`` (``backward`` where
+    no module is known) for those autograd's engine made while computing that module's
+    gradients."""
     line: int
     """The line number (0 for the pseudo files above)."""
     function: str

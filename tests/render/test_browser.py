@@ -8,9 +8,11 @@ package, which drives it (its own browsers are never downloaded); skipped withou
 
 from __future__ import annotations
 
+import importlib.util
 import re
 from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -21,31 +23,30 @@ from test_snapshot import snapshot_dict
 from torchmem.records.run import RunRecord
 from torchmem.snapshot import Snapshot
 
-CHROMIUM = Path("/usr/bin/chromium")
-ARGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--disable-quic",
-]
-WINDOWS = {"narrow": (400, 900), "wide": (1600, 900)}
+SCREENSHOTS = Path(__file__).resolve().parents[2] / "scripts" / "screenshots.py"
+
+
+def _screenshots() -> ModuleType:
+    """``scripts/screenshots.py``: this check opens the pages as the screenshots do (the
+    same Chromium, switches, windows, and list of a page's problems)."""
+    spec = importlib.util.spec_from_file_location("screenshots", SCREENSHOTS)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+screenshots = _screenshots()
+WINDOWS: dict[str, tuple[int, int]] = screenshots.WINDOWS
 
 
 @pytest.fixture(scope="module")
 def chromium() -> Iterator[Any]:
-    if not CHROMIUM.exists():
-        pytest.skip(f"no Chromium at {CHROMIUM} (apt-get install chromium)")
-    sync_api = pytest.importorskip(
-        "playwright.sync_api", reason="playwright is not installed (the dev extra)"
-    )
-    with sync_api.sync_playwright() as driver:
-        browser = driver.chromium.launch(executable_path=str(CHROMIUM), args=ARGS)
+    if not Path(screenshots.CHROMIUM).exists():
+        pytest.skip(f"no Chromium at {screenshots.CHROMIUM} (apt-get install chromium)")
+    pytest.importorskip("playwright.sync_api", reason="playwright is not installed (the dev extra)")
+    with screenshots.browser() as browser:
         yield browser
-        browser.close()
 
 
 def train() -> None:
@@ -71,18 +72,10 @@ def pages(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Path], Ru
     return found, report
 
 
-def open_page(chromium: Any, path: Path, window: str) -> tuple[Any, list[str]]:
-    """`path` opened from disk in a window of :data:`WINDOWS`, and its problems: console
-    errors, uncaught exceptions, and every request that is not for a file."""
-    width, height = WINDOWS[window]
-    page = chromium.new_context(viewport={"width": width, "height": height}).new_page()
-    problems: list[str] = []
-    page.on("console", lambda m: problems.append(m.text) if m.type == "error" else None)
-    page.on("pageerror", lambda e: problems.append(f"uncaught: {e}"))
-    page.on("requestfailed", lambda r: problems.append(f"failed: {r.url}"))
-    page.on("request", lambda r: None if r.url.startswith("file:") else problems.append(r.url))
-    page.goto(path.resolve().as_uri(), wait_until="load")
-    return page, problems
+def open_page(chromium: Any, path: Path, window: str) -> Any:
+    """`path` opened from disk in a window of :data:`WINDOWS`: the page, and its problems
+    (console errors, uncaught exceptions, and every request that is not for a file)."""
+    return screenshots.opened(chromium, path, WINDOWS[window])
 
 
 def test_the_check_sees_an_error_and_a_request(chromium: Any, tmp_path: Path) -> None:
@@ -92,8 +85,8 @@ def test_the_check_sees_an_error_and_a_request(chromium: Any, tmp_path: Path) ->
         '<img src="https://example.invalid/x.png"><script>undefinedFunction();</script>'
         "</body></html>"
     )
-    page, problems = open_page(chromium, broken, "wide")
-    page.context.close()
+    with open_page(chromium, broken, "wide") as (_, problems):
+        pass
     assert any("undefinedFunction is not defined" in p for p in problems)
     assert "https://example.invalid/x.png" in problems
 
@@ -103,14 +96,11 @@ def test_the_check_sees_an_error_and_a_request(chromium: Any, tmp_path: Path) ->
 def test_each_page_opens_offline_without_errors(
     chromium: Any, pages: tuple[dict[str, Path], RunRecord], name: str, window: str
 ) -> None:
-    page, problems = open_page(chromium, pages[0][name], window)
-    try:
+    with open_page(chromium, pages[0][name], window) as (page, problems):
         assert problems == []
         assert page.locator("svg").count() >= 1
         # No horizontal scroll bar for the page itself: wide tables scroll on their own.
         assert page.evaluate("document.documentElement.scrollWidth") <= WINDOWS[window][0]
-    finally:
-        page.context.close()
 
 
 @pytest.mark.parametrize("window", WINDOWS)
@@ -120,8 +110,7 @@ def test_hovering_the_timeline_shows_the_intervals_exact_values(
     found, record = pages
     run = record.devices["cpu"]
     assert run.timeline_categories is not None  # a recording with an event log
-    page, problems = open_page(chromium, found["run"], window)
-    try:
+    with open_page(chromium, found["run"], window) as (page, problems):
         chart = page.locator('.torchmem-chart[data-device="cpu"]')
         tip = chart.locator(".torchmem-tip")
         assert tip.is_hidden()
@@ -143,8 +132,6 @@ def test_hovering_the_timeline_shows_the_intervals_exact_values(
         page.mouse.move(1, 1)
         assert tip.is_hidden()
         assert problems == []
-    finally:
-        page.context.close()
 
 
 def _start(run: Any, index: int) -> float:

@@ -117,17 +117,21 @@ def _layout(segment: dict[str, Any]) -> Layout:
 
 
 def _requests(segments: list[dict[str, Any]], trace: list[Action]) -> dict[int, int]:
-    """The request of each block in use at the end (by address), and of each block the
-    trace frees: the blocks in use at its start are among them."""
-    found = {
-        b["address"]: _int(b.get("requested_size"), b["size"])
-        for s in segments
-        for b in s["blocks"]
-        if b["state"] in ACTIVE
-    }
+    """The request of each block in use at the trace's start, by address: where the trace
+    frees it, the free's; where it is in use at the end too, the snapshot's."""
+    found: dict[int, int] = {}
+    live: set[int] = set()
     for entry in trace:
-        if entry.action == "free_completed":
+        if entry.action == "alloc":
+            live.add(entry.address)
+        elif entry.action == "free_completed" and entry.address in live:
+            live.remove(entry.address)
+        elif entry.action == "free_completed":
             found.setdefault(entry.address, entry.size)
+    for s in segments:
+        for b in s["blocks"]:
+            if b["state"] in ACTIVE and b["address"] not in live:
+                found.setdefault(b["address"], _int(b.get("requested_size"), b["size"]))
     return found
 
 

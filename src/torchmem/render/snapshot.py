@@ -156,7 +156,7 @@ def what_if_section(device: str, found: WhatIf) -> Section:
     """The lines of a what-if (:class:`WhatIf`) for `device` (``"cuda:0"``)."""
     title = (
         f"Allocator settings on {device}: the trace's {found.allocations:,} allocations"
-        " replayed through the model of PyTorch's caching allocator"
+        " replayed through the model of PyTorch's caching allocator, under each setting alone"
     )
     if found.settings is None or found.today is None or not found.reproduced:
         return Section(title, [(f"No what-if: {found.note}.",)])

@@ -162,7 +162,13 @@ def test_run_benchmark_runs_and_tabulates():
     from benchmarks import run
 
     rows = run.measure(repeat=1, steps=1)
-    assert [name for _, name, _, _ in rows] == ["python", "torchmem run --no-sites", "torchmem run"]
+    assert [name for _, name, _, _ in rows] == [
+        "python",
+        "torchmem run --no-sites",
+        "torchmem run",
+        "torchmem run --html",
+        "PyTorch profiler + export_memory_timeline",
+    ]
     assert rows[0][3] == 1.0
     verdicts = run.verdicts(rows).splitlines()
     assert [line.split(":")[0] for line in verdicts] == [

@@ -102,8 +102,13 @@ class Snapshot(SnapshotRecord, Report):
         """
         with without_gc():
             devices = _Reader(source).devices(data)
-            if what_if:
-                devices = _what_ifs(data, devices)
+            if what_if and isinstance(data, dict):  # it is, or the reader failed
+                from torchmem.estimator.whatif import what_if as replayed
+
+                devices = {
+                    i: replace(d, what_if=replayed(data, device=i)) if d.entries else d
+                    for i, d in devices.items()
+                }
             return cls(devices, source)
 
     def diff(self, later: Snapshot) -> SnapshotDiff:
@@ -132,16 +137,6 @@ class SnapshotDiff(SnapshotDiffRecord):
         from torchmem.render import snapshot
 
         return snapshot.diff_text(self, TOP)
-
-
-def _what_ifs(data: Any, devices: dict[int, DeviceSnapshot]) -> dict[int, DeviceSnapshot]:
-    """`devices` (read from `data`, so checked), each with a trace given its what-if."""
-    from torchmem.estimator.whatif import what_if
-
-    return {
-        index: replace(device, what_if=what_if(data, device=index)) if device.entries else device
-        for index, device in devices.items()
-    }
 
 
 def _site_bytes(snapshot: SnapshotRecord) -> dict[tuple[str, int, str], int]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -55,8 +55,6 @@ class Seen:
     """Calls of ``zero_grad(set_to_none=False)``."""
     foreach_steps: int = 0
     """Optimizer steps with at least one parameter group that uses ``foreach``."""
-    checkpointed: set[str] = field(default_factory=set)
-    """Names of the modules whose forward calls ran checkpointed."""
 
 
 @contextlib.contextmanager
@@ -139,12 +137,10 @@ class _Calls:
             stack.enter_context(torch.autocast(self.changes.device_type, dtype=torch.bfloat16))
 
     def chosen(self, module: torch.nn.Module) -> bool:
-        """Whether `module`'s call runs checkpointed (and note it in :attr:`Seen.checkpointed`)."""
+        """Whether `module`'s call runs checkpointed."""
         if not self.changes.checkpoint or not torch.is_grad_enabled():
             return False
-        found = self.names.get(module, frozenset()) & self.changes.checkpoint
-        self.seen.checkpointed |= found
-        return bool(found)
+        return bool(self.names.get(module, frozenset()) & self.changes.checkpoint)
 
 
 def _zero_grad(original: Any, changes: Changes, seen: Seen) -> Any:

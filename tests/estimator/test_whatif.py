@@ -182,3 +182,24 @@ def test_the_real_snapshots_are_reproduced(name: str) -> None:
     assert found.reproduced and found.kept == (name in KEPT) and found.note == ""
     assert found.today is not None and len(found.alternatives) == 3
     assert found.today.reserved_peak_bytes == found.reserved_peak_bytes
+
+
+def test_a_history_whose_segments_overlap_has_no_what_if() -> None:
+    """The trace reserves 30 MiB at 8 MiB into the 20 MiB segment it starts with (and
+    releases it again): no allocator does that, and the model refuses it rather than
+    replay a history that cannot be."""
+    inside = S1 + 8 * MIB
+    history = {
+        "segments": [segment(S1, 20 * MIB, (S1, 20 * MIB, "active_allocated"))],
+        "device_traces": [
+            [
+                entry("segment_alloc", inside, 30 * MIB),
+                entry("alloc", inside, 30 * MIB),
+                entry("free_completed", inside, 30 * MIB),
+                entry("segment_free", inside, 30 * MIB),
+            ]
+        ],
+    }
+    found = what_if(history)
+    assert (found.today, found.alternatives, found.reserved_peak_bytes) == (None, (), 50 * MIB)
+    assert found.note == f"its segments overlap: 31457280 bytes at {inside:#x} overlap a segment"

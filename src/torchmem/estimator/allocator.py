@@ -37,12 +37,11 @@ from __future__ import annotations
 
 import bisect
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from torchmem.errors import OutOfMemory
-from torchmem.estimator.settings import DEFAULTS, Settings
 from torchmem.records.caching import (
     LARGE_BUFFER as LARGE_BUFFER,
     MIN_BLOCK as MIN_BLOCK,
@@ -154,6 +153,8 @@ class CachingAllocator:
         """(reserved bytes, the largest free block's bytes) when allocated bytes first
         reached their peak."""
         self._streams: set[int] = set()
+        self._starts: list[int] = []
+        """The segments' addresses, sorted."""
         self._free: dict[bool, list[tuple[int, int, int]]] = {True: [], False: []}
         self._blocks: dict[tuple[int, int, int], _Block] = {}
         self._segments: dict[int, _Segment] = {}
@@ -228,6 +229,7 @@ class CachingAllocator:
         """Take over a segment reserved before the model started, with the blocks in use
         in it (counted as allocated); returns those blocks, in address order."""
         segment = _Segment(layout.address, layout.size, layout.stream, blocks=0)
+        self._place(segment.address, segment.size)
         self._segments[segment.address] = segment
         if layout.expandable:
             segment.expandable = True
@@ -267,6 +269,7 @@ class CachingAllocator:
             return False
         self._take(block)
         del self._segments[address]
+        del self._starts[bisect.bisect_left(self._starts, address)]
         self.reserved -= segment.size
         return True
 
@@ -333,6 +336,21 @@ class CachingAllocator:
             return None  # an oversize block too much larger than the request
         return block
 
+    def _place(self, address: int, nbytes: int, growing: int | None = None) -> None:
+        """Check that `nbytes` at `address` overlap no segment (but the one at `growing`,
+        which they extend) and note a new segment's address: a driver or a history that
+        says otherwise is refused with a ValueError."""
+        at = bisect.bisect_right(self._starts, address)
+        before = self._starts[at - 1] if at else None
+        if before is not None and before != growing:
+            clash = before + self._segments[before].size > address
+        else:
+            clash = False
+        if clash or (at < len(self._starts) and self._starts[at] < address + nbytes):
+            raise ValueError(f"{nbytes} bytes at {address:#x} overlap a segment")
+        if growing is None:
+            self._starts.insert(at, address)
+
     def _own_address(self, nbytes: int, stream: int) -> int:
         address = self._next_address
         self._next_address += (1 << 40) if self.expandable else nbytes  # room to grow
@@ -346,6 +364,7 @@ class CachingAllocator:
         nbytes = segment_size(size)
         self._reserve(nbytes, size)
         segment = _Segment(self.driver(nbytes, stream), nbytes, stream)
+        self._place(segment.address, nbytes)
         self._segments[segment.address] = segment
         block = _Block(segment.address, nbytes, segment, small)
         segment.first = segment.last = block
@@ -361,10 +380,12 @@ class CachingAllocator:
         self._reserve(nbytes, size)
         if segment is None:
             address = self.driver(nbytes, stream)
+            self._place(address, nbytes)
             segment = self._growing[small] = _Segment(address, 0, stream, True, blocks=0)
             self._segments[address] = segment
         else:
             self.mapped(segment.address + segment.size, nbytes)
+            self._place(segment.address + segment.size, nbytes, segment.address)
         end = segment.address + segment.size
         segment.size += nbytes
         if have:
@@ -471,28 +492,3 @@ def _growable(block: _Block) -> int:
 
 def _whole(block: _Block) -> bool:
     return block.prev is None and block.next is None and not block.segment.expandable
-
-
-def following(
-    settings: Settings, capacity: int | None = None, capped: bool = False
-) -> CachingAllocator:
-    """A model following `settings` (:class:`CachingAllocator` gives the arguments)."""
-    return CachingAllocator(
-        capacity,
-        expandable=settings.expandable_segments,
-        max_split_size=settings.max_split_size,
-        garbage_collection_threshold=settings.garbage_collection_threshold,
-        capped=capped,
-    )
-
-
-def adopted(
-    layouts: Iterable[Layout], settings: Settings = DEFAULTS
-) -> tuple[CachingAllocator, dict[int, _Block]]:
-    """A model following `settings` holding `layouts` (segments reserved before it
-    started), and its blocks in use by address."""
-    allocator = following(settings)
-    used: dict[int, _Block] = {}
-    for layout in layouts:
-        used.update((b.address, b) for b in allocator.adopt(layout))
-    return allocator, used

@@ -14,9 +14,9 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
-from torchmem.estimator.allocator import Layout, adopted
+from torchmem.estimator.allocator import CachingAllocator, Layout
 from torchmem.estimator.settings import DEFAULTS, Settings
 from torchmem.records.caching import LARGE_BUFFER, SMALL_BUFFER, block_bytes, round_size
 
@@ -143,7 +143,7 @@ def replay(
 
 class _Replayer:
     def __init__(self, start: Iterable[Layout], settings: Settings) -> None:
-        self.allocator, self.used = adopted(start, settings)
+        self.allocator, self.used = _adopted(start, settings)
         self.own = self.allocator.driver
         self.allocator.driver = self.driver
         self.allocator.mapped = self.mapped
@@ -209,3 +209,28 @@ class _Replayer:
             allocator.reserved_peak,
             allocator.at_peak,
         )
+
+
+def following(
+    settings: Settings, capacity: int | None = None, capped: bool = False
+) -> CachingAllocator:
+    """A model following `settings` (:class:`CachingAllocator` gives the arguments)."""
+    return CachingAllocator(
+        capacity,
+        expandable=settings.expandable_segments,
+        max_split_size=settings.max_split_size,
+        garbage_collection_threshold=settings.garbage_collection_threshold,
+        capped=capped,
+    )
+
+
+def _adopted(
+    layouts: Iterable[Layout], settings: Settings = DEFAULTS
+) -> tuple[CachingAllocator, dict[int, Any]]:
+    """A model following `settings` holding `layouts` (segments reserved before it
+    started), and its blocks in use by address."""
+    allocator = following(settings)
+    used: dict[int, Any] = {}
+    for layout in layouts:
+        used.update((b.address, b) for b in allocator.adopt(layout))
+    return allocator, used

@@ -21,9 +21,9 @@ from dataclasses import replace
 from typing import Any
 
 from torchmem.errors import OutOfMemory
-from torchmem.estimator.allocator import Layout, following
-from torchmem.estimator.replay import Action, replay, start_layout
-from torchmem.estimator.settings import Settings, parse, recorded
+from torchmem.estimator.allocator import Layout
+from torchmem.estimator.replay import Action, following, replay, start_layout
+from torchmem.estimator.settings import DEFAULTS, Settings, parse, recorded
 from torchmem.records.whatif import Outcome, WhatIf
 
 ALTERNATIVES = (
@@ -69,19 +69,37 @@ def what_if(
     segments = [s for s in history.get("segments", []) if s.get("device", 0) == device]
     end = [_layout(s) for s in segments]
     requests = _requests(segments, trace)
-    start = start_layout(end, trace, settings or Settings())
+    start = start_layout(end, trace, settings or DEFAULTS)
     allocations = sum(a.action == "alloc" for a in trace)
     real = _reserved_peak(start, trace)
-    exact = replay(start, trace, settings or Settings())
-    found = WhatIf(
-        device, None, allocations, real, exact.allocated_peak, None, (), allowed_bytes=allowed
-    )
+    found = WhatIf(device, None, allocations, real, 0, None, (), allowed_bytes=allowed)
     if settings is None:
         note = "it was recorded under allocator settings the model does not follow"
         return replace(found, note=note)
-    if not trace:
-        return replace(found, settings=str(settings), note="it has no trace of this device")
     found = replace(found, settings=str(settings))
+    if not trace:
+        return replace(found, note="it has no trace of this device")
+    if not (_consistent(end) and _consistent(start)):
+        return replace(found, note="its segments and blocks overlap")
+    try:
+        return _replays(found, start, trace, requests, settings, wanted, allowed)
+    except ValueError as exc:  # segments that overlap once the trace grows them
+        return replace(found, today=None, note=f"its segments overlap: {exc}")
+
+
+def _replays(
+    found: WhatIf,
+    start: list[Layout],
+    trace: list[Action],
+    requests: dict[int, int],
+    settings: Settings,
+    wanted: list[Settings],
+    allowed: int | None,
+) -> WhatIf:
+    """`found` with the exact replay's allocated peak, today's replay and, where it
+    reproduces the real peaks, the alternatives."""
+    exact = replay(start, trace, settings)
+    found = replace(found, allocated_peak_bytes=exact.allocated_peak)
     for kept in (False, True):
         today = _rerun(start, trace, requests, settings, allowed, kept)
         found = replace(found, today=today, kept=kept)
@@ -133,6 +151,20 @@ def _requests(segments: list[dict[str, Any]], trace: list[Action]) -> dict[int, 
             if b["state"] in ACTIVE and b["address"] not in live:
                 found.setdefault(b["address"], _int(b.get("requested_size"), b["size"]))
     return found
+
+
+def _consistent(layouts: list[Layout]) -> bool:
+    """Whether no two segments overlap, and each one's blocks lie inside it in address
+    order without overlapping (as PyTorch writes them; a file may say otherwise)."""
+    at = 0
+    for segment in sorted(layouts):
+        at = segment.address if segment.address >= at else -1
+        for address, size in segment.used:
+            at = address + size if address >= at >= 0 and size > 0 else -1
+        if at < 0 or at > segment.address + segment.size:
+            return False
+        at = segment.address + segment.size
+    return True
 
 
 def _reserved_peak(start: list[Layout], trace: list[Action]) -> int:

@@ -61,7 +61,8 @@ class WhatIf:
     """The real highest reserved bytes over the trace: the segments at its start plus its
     segment actions."""
     allocated_peak_bytes: int
-    """The real highest allocated bytes over the trace, in blocks."""
+    """The real highest allocated bytes over the trace, in blocks (0 where the history is
+    not replayed: see :attr:`note`)."""
     today: Outcome | None
     """The replay under :attr:`settings`; None where they are not followed."""
     alternatives: tuple[Outcome, ...]

@@ -75,3 +75,18 @@ def test_a_snapshot_in_memory_has_its_what_if(mlp: Path) -> None:
     assert device.what_if is not None and device.what_if.reproduced
     assert device.what_if.alternatives[0].reserved_peak_bytes == 113_246_208
     assert Snapshot.from_dict(data, "mlp").devices[0].what_if is None
+
+
+def test_odd_values_the_reader_does_not_check_are_passed_over(mlp: Path) -> None:
+    """A stream or a request that is not a number (a file may say anything the reader does
+    not read) is taken as stream 0 and the block's size: the what-if still reproduces."""
+    with open(mlp, "rb") as file:
+        data = SnapshotUnpickler(file, str(mlp)).load()
+    for entry in data["device_traces"][0]:
+        entry["stream"] = "a stream"
+    for segment in data["segments"]:
+        for block in segment["blocks"]:
+            block["requested_size"] = -1
+    found = Snapshot.from_dict(data, "mlp", what_if=True).devices[0].what_if
+    assert found is not None and found.reproduced
+    assert found.reserved_peak_bytes == 117_440_512

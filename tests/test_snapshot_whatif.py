@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from torchmem.records.snapshot import DEVICE_NAMES
 from torchmem.records.snapshot_file import SnapshotUnpickler
 from torchmem.snapshot import Snapshot, load_snapshot
 
@@ -90,3 +91,13 @@ def test_odd_values_the_reader_does_not_check_are_passed_over(mlp: Path) -> None
     found = Snapshot.from_dict(data, "mlp", what_if=True).devices[0].what_if
     assert found is not None and found.reproduced
     assert found.reserved_peak_bytes == 117_440_512
+
+
+def test_a_cpu_device_has_no_what_if(mlp: Path) -> None:
+    """The CPU of a snapshot torchmem saved (named by ``torchmem_device_names``) has no
+    caching allocator: no what-if, where the same trace on ``cuda:0`` has one."""
+    with open(mlp, "rb") as file:
+        data = SnapshotUnpickler(file, str(mlp)).load()
+    data[DEVICE_NAMES] = ["cpu"]
+    device = Snapshot.from_dict(data, "cpu", what_if=True).devices[0]
+    assert (device.name, device.entries, device.what_if) == ("cpu", 90, None)

@@ -105,10 +105,9 @@ class Snapshot(SnapshotRecord, Report):
             if what_if and isinstance(data, dict):  # it is, or the reader failed
                 from torchmem.estimator.whatif import what_if as replayed
 
-                devices = {
-                    i: replace(d, what_if=replayed(data, device=i)) if d.entries else d
-                    for i, d in devices.items()
-                }
+                for i, d in devices.items():  # a GPU's trace: the CPU's has no cache
+                    if d.entries and d.name.startswith("cuda"):
+                        devices[i] = replace(d, what_if=replayed(data, device=i))
             return cls(devices, source)
 
     def diff(self, later: Snapshot) -> SnapshotDiff:

@@ -120,8 +120,8 @@ class DeviceSnapshot:
     by :attr:`peak_entry` and the timeline is over entry numbers."""
     what_if: WhatIf | None = None
     """The trace replayed under other allocator settings, and the fragmentation at the
-    peak (``load_snapshot(path, what_if=True)``); None where not asked for or the device
-    has no trace."""
+    peak (``load_snapshot(path, what_if=True)``); None where not asked for, the device
+    has no trace, or it is not a GPU (the CPU of a recording torchmem saved)."""
 
 
 @dataclass(frozen=True)

@@ -6,15 +6,18 @@ import inspect
 import sys
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import FrameType, TracebackType
 
+import numpy as np
 import torch
 
 from torchmem._compat import getframe
 from torchmem.errors import TorchmemError, UsageError
 from torchmem.events.analysis import Names, device_run, laps_run, module_peaks
+from torchmem.events.growth import Kept, growth, kept, step_records
+from torchmem.events.holders import holders
 from torchmem.events.hooks import Watcher
 from torchmem.events.notes import Notes
 from torchmem.events.sources import CpuLog, CudaLog, Laps, Tallied
@@ -53,6 +56,8 @@ class Recording:
         self._ram_kept: Callable[[], bool] | None = None
         self._logs: list[Tallied] = []
         self._variables: dict[int, str] = {}
+        self._kept: dict[str, Kept | None] = {}
+        self._held: dict[int, str] = {}
         self._started = self._stopped = 0
         self._report: RunReport | None = None
 
@@ -132,12 +137,12 @@ class Recording:
         if self._stopped or not self._started:
             return
         self._stopped = time.monotonic_ns()
+        namespace = variables or {}
         try:
             for laps in self._laps:  # first: what follows is torchmem's, not the program's
                 laps.end(self._stopped)
                 if laps.device == "ram" and self._ram_kept is not None:
                     laps.exact, self._ram_kept = self._ram_kept(), None
-            namespace = variables or {}
             if self._watcher is not None:
                 self._watcher.stop(namespace.values())
             self._variables = _variables(namespace)
@@ -150,6 +155,10 @@ class Recording:
             if self._cuda is not None:
                 notes = self._watcher.notes if self._watcher is not None else None
                 self._logs[:0] = self._cuda.stop(notes)
+        self._kept = {found.device: kept(found) for found in self._logs}
+        wanted = [k.survivors.ptr for k in self._kept.values() if k is not None and k.rise]
+        if wanted:
+            self._held = holders(namespace, set(np.concatenate(wanted).tolist()))
 
     def __enter__(self) -> Recording:
         return self.start()
@@ -230,11 +239,16 @@ class Recording:
         devices: dict[str, DeviceRun] = {}
         modules: tuple[ModulePeak, ...] = ()
         notes = []
+        steps_by: str | None = None
         for found in self._logs:
             tally = found.tally
             if found.device.startswith("cuda") and not tally.events and not tally.base:
                 continue  # a GPU this run did not use
             run = device_run(found, self._stopped, names, watcher.names, self._variables, top)
+            result = self._kept.get(found.device)
+            if result is not None:
+                steps_by = steps_by or result.table.by
+                run = self._with_steps(run, found, result, watcher, names)
             devices[found.device] = run
             if not modules and watcher.modules:
                 modules = module_peaks(
@@ -261,9 +275,27 @@ class Recording:
                 "CPU allocation sites were not recorded: they need Python 3.10 to 3.13 with"
                 " the GIL, and Python's headers where torchmem was built."
             )
-        duration = (self._stopped - self._started) / 1e9
         phases = watcher.phases.read(self._started)
-        return RunReport(devices, modules, duration, notes=tuple(notes), phases=phases, top=top)
+        duration = (self._stopped - self._started) / 1e9
+        return RunReport(
+            devices,
+            modules,
+            duration,
+            notes=tuple(notes),
+            phases=phases,
+            steps_by=steps_by,
+            top=top,
+        )
+
+    def _with_steps(
+        self, run: DeviceRun, found: Tallied, result: Kept, watcher: Watcher, names: Names
+    ) -> DeviceRun:
+        """`run` with its steps and its growth, where it grows."""
+        forwards = watcher.phases.forwards()
+        labels = {key: names.label(key) for key in watcher.modules}
+        found_growth = growth(found, result, watcher.names, labels, forwards, self._held)
+        listed = step_records(result.table, self._started)
+        return replace(run, steps=listed, growth=found_growth)
 
 
 def _log_notes(found: Tallied) -> list[str]:

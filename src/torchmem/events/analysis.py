@@ -246,9 +246,14 @@ class Names:
         """``backward of <module> (<class>)`` for the module of id `module` (``backward of
         0 (Linear)`` for an ``nn.Sequential``'s first); ``backward of <class>`` for the
         outermost one."""
+        return f"backward of {self.label(module)}"
+
+    def label(self, module: int) -> str:
+        """``<module> (<class>)`` for the module of id `module` (``0 (Linear)``); its
+        class's name for the outermost one."""
         kind = self._types.get(module, "module")
         name = self.modules.get(module) or kind
-        return f"backward of {name}" if name == kind else f"backward of {name} ({kind})"
+        return name if name == kind else f"{name} ({kind})"
 
 
 def _join(prefix: str, name: str) -> str:

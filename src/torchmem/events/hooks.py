@@ -44,7 +44,7 @@ from torchmem._objects import models_and_optimizers
 from torchmem.events import saved
 from torchmem.events.notes import NameTable, Notes, Tree
 from torchmem.events.phases import FORWARD, STEP, Phases
-from torchmem.events.tally import CLOSE, HIT, MARK, OPEN
+from torchmem.events.tally import CLOSE, HIT, MARK, OPEN, STEP as STEP_ROW
 
 if TYPE_CHECKING:
     from torchmem.meters.native import CpuAllocatorLibrary
@@ -332,6 +332,8 @@ class Watcher:
             if not params:
                 return
         backward = _Backward(key, len(stack), self._probe)
+        if not stack:
+            self.phases.awaits(backward.number)
         if len(outputs) == 1:  # the same as a multi-grad hook on one tensor, at less cost
             backward.handles = [outputs[0].register_hook(backward.begin)]  # type: ignore[no-untyped-call]
         else:
@@ -354,6 +356,7 @@ class Watcher:
 
     def _step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self.phases.end(STEP, id(optimizer))
+        self._probe(STEP_ROW, id(optimizer), 0, 0)  # a row of the stream: where a step ends
         self._mark_optimizer(optimizer, grads=False)
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:

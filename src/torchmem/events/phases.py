@@ -12,6 +12,8 @@ from __future__ import annotations
 import time
 from array import array
 
+import numpy as np
+
 from torchmem.records.run import PHASES, Phase
 
 FORWARD, BACKWARD, STEP = range(3)
@@ -28,6 +30,12 @@ class Phases:
         """``(kind, key)`` -> start, of phases begun and not yet ended."""
         self._passes: dict[int, list[int]] = {}
         """Backward passes open, by probe number: ``[start, last hit]`` (-1: none yet)."""
+        self._ended = 0
+        """The start of the phase that ended last."""
+        self._awaited: dict[int, int] = {}
+        """Probe number of a backward pass not yet begun -> start of its forward call."""
+        self.backed = array("q")
+        """The starts of the forward calls a backward pass went through."""
 
     def begin(self, kind: int, key: int) -> None:
         """A forward call (`key`: its probe's number) or a step (`key`: the optimizer's id)
@@ -39,11 +47,19 @@ class Phases:
         start = self._begun.pop((kind, key), None)
         if start is not None:
             self._done.extend((kind, start, time.monotonic_ns()))
+            self._ended = start
+
+    def awaits(self, number: int) -> None:
+        """The forward call that ended last has a backward pass to come: probe `number`."""
+        self._awaited[number] = self._ended
 
     def opened(self, number: int) -> None:
         """The backward pass of an outermost module's forward call (probe `number`) began:
         the gradient of one of its outputs is ready."""
         self._passes[number] = [time.monotonic_ns(), -1]
+        forward = self._awaited.pop(number, None)
+        if forward is not None:
+            self.backed.append(forward)
 
     def hit(self, number: int) -> None:
         """A gradient the backward pass of probe `number` ends with is ready: the pass ends
@@ -54,9 +70,19 @@ class Phases:
 
     def closed(self, number: int) -> None:
         """The backward pass of probe `number` can run no more (kept if it reached an end)."""
+        self._awaited.pop(number, None)
         found = self._passes.pop(number, None)
         if found is not None and found[1] >= 0:
             self._done.extend((BACKWARD, found[0], found[1]))
+
+    def forwards(self) -> np.ndarray:
+        """The forward calls that ended, in time order: ``start, end`` on
+        ``time.monotonic_ns()``, and 1 where a backward pass went through it (else 0)."""
+        done = np.frombuffer(self._done, np.int64).reshape(-1, 3)
+        spans = done[done[:, 0] == FORWARD][:, 1:]
+        spans = spans[np.argsort(spans[:, 0], kind="stable")]
+        backed = np.isin(spans[:, 0], np.frombuffer(self.backed, np.int64))
+        return np.column_stack([spans, backed.astype(np.int64)])
 
     def read(self, origin: int) -> tuple[Phase, ...]:
         """The phases that ended, in time order, in seconds from `origin`

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from torchmem.events.steps import StepEnds
 from torchmem.events.table import Table
 from torchmem.events.timeline import Timeline, category_changes
 
@@ -31,13 +32,14 @@ COLUMNS = 6
 allocation), payload (a mark: ``name << 3 | category``; a probe: module index), or the
 adopting tally (an adoption); the sequence number it refers to (or, for a probe, its
 depth and kind, see :data:`OPEN`); and its kind."""
-ALLOC, FREE, ADOPT, MARK, OPEN, HIT, CLOSE = range(7)
-KINDS = ("alloc", "free", "adopt", "mark", "open", "hit", "close")
+ALLOC, FREE, ADOPT, MARK, OPEN, HIT, CLOSE, STEP = range(8)
+KINDS = ("alloc", "free", "adopt", "mark", "open", "hit", "close", "step")
 """Row kinds. A probe's :data:`PTR` is its number, its :data:`SITE` the module's index,
 its :data:`REF` ``depth << 1 | backward``. A forward pass opens and closes; a backward
 pass opens when the gradient of one of its outputs is ready, hits each time a gradient
 of one of its inputs is, and closes when it can run no more; its span ends at the last
-hit."""
+hit. A step row marks the end of an ``optimizer.step()`` (its :data:`PTR`: the optimizer's
+id)."""
 BEFORE_SITE = -4
 """The site of a storage alive when the recording started."""
 UNNAMED = -1
@@ -103,6 +105,8 @@ class Tally:
         """The latest allocation and free rows (at most :data:`WINDOW` of them)."""
         self.dropped = 0
         """Allocations and frees no longer in :attr:`recent`."""
+        self.steps = StepEnds(base)
+        """Where training steps may end, with the use there and the highest since."""
 
     # Feeding ---------------------------------------------------------------------------
 
@@ -145,6 +149,7 @@ class Tally:
         unmatched[lost] = rows[lost, SIZE]
         hidden = self.hidden + np.cumsum(unmatched)
         self._probes(rows, kind, cur, table)
+        self._step_ends(rows, kind, cur)
         self._queue_engine(rows, alloc, made)
         if rises:
             self.peak = int(cur[j])
@@ -162,6 +167,20 @@ class Tally:
         changes = rows.copy() if bool(changing.all()) else rows.take(np.flatnonzero(changing), 0)
         self.events += len(changes)
         self._keep_recent(changes)
+
+    def _step_ends(self, rows: np.ndarray, kind: np.ndarray, cur: np.ndarray) -> None:
+        """Feed :attr:`steps` the rows where a step may end: an optimizer's step, a root
+        module's backward hit (depth 0) and its forward call's return."""
+        ref = rows[:, REF]
+        self.steps.feed(
+            rows[:, TIME],
+            cur,
+            self.seq,
+            stepped=kind == STEP,
+            opened=(kind == OPEN) & (ref == 0),
+            hit=(kind == HIT) & (ref == 1),
+            returned=np.where((kind == CLOSE) & (ref == 0), rows[:, SITE], -1),
+        )
 
     def _passing(
         self, alloc: np.ndarray, frees: np.ndarray, refs: np.ndarray, peak: int | None
@@ -249,7 +268,7 @@ class Tally:
         use at its close less use at its opening; a backward pass: its highest less use at
         its opening), and the spans of its backward passes (to name what autograd's engine
         allocated)."""
-        at = np.flatnonzero(kind >= OPEN)
+        at = np.flatnonzero((kind >= OPEN) & (kind <= CLOSE))
         if len(at):
             number, op, module = rows[at, PTR], kind[at], rows[at, SITE]
             # Where each probe opened in these rows (0: before them).

@@ -126,6 +126,115 @@ class Phase:
 
 
 @dataclass(frozen=True)
+class Step:
+    """One training step on one device (see :attr:`RunRecord.steps_by` for where a step
+    ends), or, in a long run, :attr:`count` steps in a row taken together."""
+
+    index: int
+    """The step's number, from 0 (the first, where the optimizer's state appears)."""
+    start_bytes: int
+    """Bytes in use when it began (the end of the step before; the recording's start)."""
+    peak_bytes: int
+    """The highest bytes in use during it (exact: every allocation counted)."""
+    end_bytes: int
+    """Bytes in use when it ended."""
+    start: float
+    """Seconds from the start of the recording to its beginning."""
+    end: float
+    """Seconds from the start of the recording to its end."""
+    count: int = 1
+    """How many steps in a row this entry stands for (more than 1 only past
+    :data:`~torchmem.records.run.STEPS_LISTED` steps): from :attr:`index`, their first
+    start, highest peak and last end."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "index": self.index,
+            "count": self.count,
+            "start_bytes": self.start_bytes,
+            "peak_bytes": self.peak_bytes,
+            "end_bytes": self.end_bytes,
+            "start_s": self.start,
+            "end_s": self.end,
+        }
+
+
+STEPS_LISTED = 500
+"""Entries of :attr:`DeviceRun.steps` at most: the first step alone, the others in groups
+of as many steps in a row as it takes."""
+
+
+@dataclass(frozen=True)
+class GrowthSite:
+    """A line whose allocations outlive each step of a growth."""
+
+    file: str
+    """As :attr:`Site.file`."""
+    line: int
+    function: str
+    bytes_per_step: int
+    """Bytes allocated there in each step (their mean, where steps differ) and alive at the
+    end of the recording."""
+    source: str | None = None
+    """The text of the line, stripped; None where it cannot be read."""
+    reason: str | None = None
+    """Why they outlive their step, where it was found: ``"held by list `losses`"``,
+    ``"kept with its autograd graph (saved for backward by fc1, fc2)"``, ...; None where
+    nothing was found."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "file": self.file,
+            "line": self.line,
+            "function": self.function,
+            "bytes_per_step": self.bytes_per_step,
+            "source": self.source,
+            "reason": self.reason,
+        }
+
+
+@dataclass(frozen=True)
+class Growth:
+    """Memory that rises at the end of (nearly) every step after the first."""
+
+    device: str
+    bytes_per_step: int
+    """The rise from the end of the step before :attr:`first_step` to the end of the last,
+    over the steps: exactly each step's where :attr:`exact`."""
+    first_step: int
+    """The first step of the rise (1 or later: the first step's optimizer state is not a
+    rise)."""
+    steps: int
+    """Steps from :attr:`first_step` to the last."""
+    exact: bool
+    """Whether each of those steps rose by exactly :attr:`bytes_per_step`."""
+    sites: tuple[GrowthSite, ...] = ()
+    """The lines whose allocations outlive their step, most bytes first."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "device": self.device,
+            "bytes_per_step": self.bytes_per_step,
+            "first_step": self.first_step,
+            "steps": self.steps,
+            "exact": self.exact,
+            "sites": [s.to_json() for s in self.sites],
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Growth:
+        sites = tuple(GrowthSite(**site) for site in data["sites"])
+        return cls(
+            data["device"],
+            data["bytes_per_step"],
+            data["first_step"],
+            data["steps"],
+            data["exact"],
+            sites,
+        )
+
+
+@dataclass(frozen=True)
 class DeviceRun:
     """What one device's memory did over the recording."""
 
@@ -168,6 +277,11 @@ class DeviceRun:
     None where the device has no event log."""
     exact: bool = True
     """False where the peak comes from sampling (process RAM off Linux)."""
+    steps: tuple[Step, ...] = ()
+    """The training steps, in order (see :attr:`RunRecord.steps_by`); empty where none
+    ended or the device has no event log (its peak laps do not say where a step ends)."""
+    growth: Growth | None = None
+    """Memory that rises at the end of each step, where it does."""
 
 
 @dataclass(frozen=True)
@@ -189,6 +303,17 @@ class RunRecord:
     phases: tuple[Phase, ...] = ()
     """The forward passes, backward passes and optimizer steps, in time order (one per
     phase for the whole run: linear in its length, a few per training step)."""
+    steps_by: str | None = None
+    """What ends a step in :attr:`DeviceRun.steps`: ``"optimizer.step()"`` (where it
+    returns), ``"backward"`` (a run with no optimizer: where a backward pass through the
+    outermost modules ends) or ``"forward"`` (neither: where a forward call of the first
+    outermost module returns); None where no step ended."""
+
+    @property
+    def growth(self) -> Growth | None:
+        """The main device's growth, else another device's, else None."""
+        runs = sorted(self.devices.values(), key=lambda r: r.device != self.main_device)
+        return next((run.growth for run in runs if run.growth is not None), None)
 
     @property
     def main_device(self) -> str:
@@ -224,6 +349,8 @@ class RunRecord:
                 for m in self.modules
             ],
             "phases": [{"kind": p.kind, "start_s": p.start, "end_s": p.end} for p in self.phases],
+            "steps_by": self.steps_by,
+            "growth": None if self.growth is None else self.growth.to_json(),
             "timeline": {
                 name: [[t, b] for t, b in run.timeline] for name, run in self.devices.items()
             },
@@ -267,6 +394,7 @@ class RunRecord:
                 command=tuple(data["command"]),
                 notes=tuple(data["notes"]),
                 phases=phases,
+                steps_by=data.get("steps_by"),
             )
         except (KeyError, TypeError, AttributeError) as exc:
             raise ValueError(f"not a torchmem run report: {type(exc).__name__}: {exc}") from None
@@ -301,6 +429,8 @@ def _device_json(run: DeviceRun) -> dict[str, Any]:
             if run.timeline_categories is None
             else [list(row) for row in run.timeline_categories]
         ),
+        "steps": [step.to_json() for step in run.steps],
+        "growth": None if run.growth is None else run.growth.to_json(),
     }
 
 
@@ -325,4 +455,11 @@ def _device_from_json(name: str, entry: dict[str, Any], timeline: Any) -> Device
         reserved_peak_bytes=entry["reserved_peak_bytes"],
         timeline_categories=None if layers is None else tuple(tuple(row) for row in layers),
         exact=entry["exact"],
+        steps=tuple(_step(step) for step in entry.get("steps", ())),  # older reports: none
+        growth=None if entry.get("growth") is None else Growth.from_json(entry["growth"]),
     )
+
+
+def _step(data: dict[str, Any]) -> Step:
+    keys = ("index", "start_bytes", "peak_bytes", "end_bytes", "start_s", "end_s", "count")
+    return Step(*(data[k] for k in keys))

@@ -19,7 +19,16 @@ from typing import Any
 
 from torchmem.errors import require
 from torchmem.records.frames import located
-from torchmem.records.run import CATEGORIES, DeviceRun, Held, ModulePeak, RunRecord, Site
+from torchmem.records.run import (
+    CATEGORIES,
+    DeviceRun,
+    Growth,
+    Held,
+    ModulePeak,
+    RunRecord,
+    Site,
+    Step,
+)
 from torchmem.render import chart, icicle
 from torchmem.render.kit import (
     MISSING,
@@ -119,6 +128,58 @@ def _sites(run: DeviceRun, top: int, width: int | None = None) -> Section | None
     )
 
 
+def _step_row(label: str, steps: Sequence[Step]) -> tuple[str, ...]:
+    peak = max(step.peak_bytes for step in steps)
+    ends = (steps[0].start_bytes, peak, steps[-1].end_bytes)
+    return (label, *(readable_size(value) for value in ends))
+
+
+def _steps(record: RunRecord, run: DeviceRun) -> Section | None:
+    """The first step, then the others together (their first start, highest peak, last
+    end); and the growth, where there is one."""
+    if not run.steps:
+        return None
+    first, rest = run.steps[0], run.steps[1:]
+    rows = [_step_row("0 (first)", [first])]
+    if rest:
+        last = rest[-1].index + rest[-1].count - 1
+        rows.append(_step_row(f"1 to {last}" if last > 1 else "1", rest))
+    return Section(
+        f"Steps on {run.device} (each ends where {_ends(record.steps_by)}):",
+        rows,
+        header=("steps", "start", "peak", "end"),
+        more="\n  ".join(growth_lines(run.growth)) if run.growth else "",
+    )
+
+
+def _ends(by: str | None) -> str:
+    if by == "optimizer.step()":
+        return "optimizer.step() returns"
+    if by == "backward":
+        return "a backward pass ends"
+    return "a forward call of the outermost module returns"
+
+
+def growth_lines(growth: Growth) -> list[str]:
+    """The growth in words: one line for the rise, then one per line of code whose
+    allocations outlive their step (what each step leaves, where, and why)."""
+    exactly = f", exactly at each of {growth.steps} steps" if growth.exact else ""
+    lines = [
+        f"{growth.device} grows {readable_size(growth.bytes_per_step)} per step from step"
+        f" {growth.first_step}{exactly}:"
+    ]
+    for site in growth.sites:
+        code = f" (`{site.source}`)" if site.source else ""
+        why = f", {site.reason}" if site.reason else ""
+        lines.append(
+            f"  {readable_size(site.bytes_per_step)} each step from"
+            f" {located(site.file, site.line)}{code}{why}"
+        )
+    if not growth.sites:
+        lines.append("  (no line of code's allocations outlive their step: freed later)")
+    return lines
+
+
 def _shape(held: Held) -> str:
     return MISSING if held.shape is None else str(tuple(held.shape))
 
@@ -181,6 +242,7 @@ def _sections(record: RunRecord, top: int, width: int | None = None) -> list[Sec
     main = record.devices.get(record.main_device)
     if record.devices:
         found.append(_devices(record))
+    found += [_steps(record, run) for run in record.devices.values()]
     if main is not None:
         found.append(_categories(main))
     found += [_categories(run) for name, run in record.devices.items() if run is not main]

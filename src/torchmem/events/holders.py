@@ -1,0 +1,157 @@
+"""What holds some storages alive: a walk from a program's variables when a recording
+stops, in words a report can print.
+
+From each variable of the namespace the recording was given (a script's globals, a
+block's locals), not starting with ``_``: a tensor is held by that variable; the items of
+a list, tuple, set, deque or dictionary by it (``list `losses```), to :data:`DEPTH`
+containers deep; an object's attributes by it (```trainer.cache```); a module's forward
+and backward hooks (and pre-hooks), of it and its submodules, by that hook (what their
+closures, defaults and bound objects hold). The tensors found so lead to autograd's
+graph behind them: the tensors its nodes saved for backward are held by that graph. The
+walk is bounded (:data:`OBJECTS` objects, :data:`NODES` graph nodes), and runs only
+where a step's allocations outlive it.
+"""
+
+from __future__ import annotations
+
+import collections
+import types
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+import torch
+
+DEPTH = 3
+"""Containers and attributes followed from a variable, at most."""
+OBJECTS = 1_000_000
+"""Objects the walk looks at, at most."""
+NODES = 200_000
+"""Nodes of autograd's graphs the walk looks at, at most."""
+_CONTAINERS: dict[type, str] = {
+    list: "list",
+    tuple: "tuple",
+    set: "set",
+    dict: "dict",
+    collections.deque: "deque",
+}
+_HOOKS = (
+    ("_forward_hooks", "forward hook"),
+    ("_forward_pre_hooks", "forward pre-hook"),
+    ("_backward_hooks", "backward hook"),
+    ("_backward_pre_hooks", "backward pre-hook"),
+)
+_SKIPPED = (types.ModuleType, type, types.FunctionType, types.BuiltinFunctionType)
+
+
+class _Walk:
+    def __init__(self, wanted: set[int]) -> None:
+        self.wanted = wanted
+        self.found: dict[int, str] = {}
+        self.seen: set[int] = set()
+        self.graphs: list[tuple[str, torch.Tensor]] = []
+        self._saved_names: dict[type, list[str]] = {}
+
+    def visit(self, value: object, where: str, name: str | None, depth: int) -> None:
+        """Look at `value`, which `where` holds (``"list `x`"``); `name` is its path from a
+        variable (``trainer.cache``), None where it has none (in a hook's closure)."""
+        if id(value) in self.seen or len(self.seen) >= OBJECTS or isinstance(value, _SKIPPED):
+            return
+        self.seen.add(id(value))
+        if isinstance(value, torch.Tensor):
+            self._tensor(value, where)
+            return
+        if depth >= DEPTH:
+            return
+        kind = _CONTAINERS.get(type(value))
+        if kind is not None:
+            items: Iterable[object] = value.values() if isinstance(value, dict) else value  # type: ignore[assignment]
+            inner = f"{kind} `{name}`" if name else f"a {kind} in {where}"
+            for item in items:
+                self.visit(item, inner, None, depth + 1)
+            return
+        if isinstance(value, torch.nn.Module):
+            self._module(value, name, depth)
+            return
+        attributes = getattr(value, "__dict__", None)
+        if isinstance(attributes, dict) and name:
+            for key, item in list(attributes.items()):
+                if isinstance(key, str) and not key.startswith("__"):
+                    self.visit(item, f"`{name}.{key}`", f"{name}.{key}", depth + 1)
+
+    def _tensor(self, tensor: torch.Tensor, where: str) -> None:
+        try:
+            ptr = tensor.untyped_storage().data_ptr()
+        except Exception:  # no storage (sparse, a wrapper subclass)
+            ptr = 0
+        if ptr in self.wanted:
+            self.found.setdefault(ptr, f"held by {where}")
+        if tensor.grad_fn is not None:
+            self.graphs.append((where if where[0] == "`" else f"a tensor in {where}", tensor))
+
+    def _module(self, module: torch.nn.Module, name: str | None, depth: int) -> None:
+        for sub, child in module.named_modules():
+            path = (f"{name}.{sub}" if sub else name) if name else sub or type(module).__name__
+            for attribute, kind in _HOOKS:
+                for hook in list(getattr(child, attribute, {}).values()):
+                    for item in _inside(hook):
+                        self.visit(item, f"a {kind} of `{path}`", None, depth + 1)
+            for key, item in list(vars(child).items()):
+                if not key.startswith("_") and not isinstance(item, torch.nn.Module):
+                    self.visit(item, f"`{path}.{key}`", f"{path}.{key}", depth + 1)
+
+    def saved(self) -> None:
+        """The tensors the graphs behind the tensors found saved for backward."""
+        nodes: set[int] = set()
+        for where, tensor in self.graphs:
+            todo = [tensor.grad_fn]
+            while todo and len(nodes) < NODES:
+                node = todo.pop()
+                if node is None or id(node) in nodes:
+                    continue
+                nodes.add(id(node))
+                for name in self._names(node):
+                    try:
+                        value = getattr(node, name)
+                    except Exception:  # freed by a backward pass, or not a tensor's
+                        continue
+                    if isinstance(value, torch.Tensor):
+                        ptr = value.untyped_storage().data_ptr()
+                        if ptr in self.wanted:
+                            self.found.setdefault(ptr, f"held by the autograd graph of {where}")
+                todo.extend(next_node for next_node, _ in node.next_functions)
+
+    def _names(self, node: Any) -> list[str]:
+        kind = type(node)
+        names = self._saved_names.get(kind)
+        if names is None:
+            names = self._saved_names[kind] = [n for n in dir(node) if n.startswith("_saved_")]
+        return names
+
+
+def _inside(hook: Any) -> Iterator[object]:
+    """What a hook holds: its closure's cells, its defaults, its bound object."""
+    target = getattr(hook, "__func__", hook)
+    for cell in getattr(target, "__closure__", None) or ():
+        try:
+            yield cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+    yield from getattr(target, "__defaults__", None) or ()
+    bound = getattr(hook, "__self__", None)
+    if bound is not None:
+        yield bound
+
+
+def holders(namespace: Mapping[str, object], wanted: set[int]) -> dict[int, str]:
+    """For each address of `wanted` (a storage's ``data_ptr()``) that a walk from the
+    variables of `namespace` reaches, what holds it: ``"held by list `losses`"``, ``"held
+    by a forward hook of `model.fc1`"``, ``"held by the autograd graph of `total`"``, ...
+    (the first path found; a variable's own tensors and containers before graphs)."""
+    if not wanted:
+        return {}
+    walk = _Walk(wanted)
+    for name, value in list(namespace.items()):
+        if not name.startswith("_"):
+            walk.visit(value, f"`{name}`", name, 0)
+    walk.saved()
+    return walk.found

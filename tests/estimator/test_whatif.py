@@ -4,13 +4,14 @@ the five 2.7B snapshots of ``../shared/gpu-truth`` (their extracts)."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
 from test_allocator_truth import FILES, make_extract
 
 from torchmem.estimator.whatif import what_if
-from torchmem.records.whatif import Outcome
+from torchmem.records.whatif import Outcome, WhatIf
 
 MIB = 2**20
 S1, S2, S3 = 1 << 32, 2 << 32, 3 << 32
@@ -203,3 +204,10 @@ def test_a_history_whose_segments_overlap_has_no_what_if() -> None:
     found = what_if(history)
     assert (found.today, found.alternatives, found.reserved_peak_bytes) == (None, (), 50 * MIB)
     assert found.note == f"its segments overlap: 31457280 bytes at {inside:#x} overlap a segment"
+
+
+def test_the_json_reads_back() -> None:
+    """A report saved as JSON (a run's, where a recording carries its what-if) reads back
+    as the same record."""
+    for found in (what_if(aging()), what_if(aging(), allowed=90 * MIB)):
+        assert WhatIf.from_json(json.loads(json.dumps(found.to_json()))) == found

@@ -45,6 +45,18 @@ class Outcome:
             "out_of_memory": self.out_of_memory,
         }
 
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Outcome:
+        """The outcome :meth:`to_json` wrote."""
+        return cls(
+            data["settings"],
+            int(data["reserved_peak_bytes"]),
+            int(data["allocated_peak_bytes"]),
+            int(data["reserved_at_peak_bytes"]),
+            int(data["largest_free_at_peak_bytes"]),
+            bool(data["out_of_memory"]),
+        )
+
 
 @dataclass(frozen=True)
 class WhatIf:
@@ -103,3 +115,20 @@ class WhatIf:
             "today": None if self.today is None else self.today.to_json(),
             "alternatives": [a.to_json() for a in self.alternatives],
         }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> WhatIf:
+        """The what-if :meth:`to_json` wrote (a report saved as JSON, read back)."""
+        today = data["today"]
+        return cls(
+            int(data["device"]),
+            data["settings"],
+            int(data["allocations"]),
+            int(data["reserved_peak_bytes"]),
+            int(data["allocated_peak_bytes"]),
+            None if today is None else Outcome.from_json(today),
+            tuple(Outcome.from_json(a) for a in data["alternatives"]),
+            bool(data["kept"]),
+            data["allowed_bytes"],
+            data["note"],
+        )

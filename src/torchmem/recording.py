@@ -255,12 +255,7 @@ class Recording:
                     tally, found.device, watcher.modules, names.modules, watcher.calls
                 )
             notes.extend(_log_notes(found))
-        if "OptimizedModule" in watcher.modules.values():
-            notes.append(
-                "Compiled modules ran (torch.compile): each call is measured from the outside,"
-                " its allocations and peak counted under its OptimizedModule; the modules"
-                " inside are not seen one by one (the graph is the one compiled without us)."
-            )
+        notes.extend(_compiled(watcher))
         for laps in self._laps:
             devices[laps.device] = laps_run(laps)
             if laps.device == "cpu":
@@ -296,6 +291,17 @@ class Recording:
         found_growth = growth(found, result, watcher.names, labels, forwards, self._held)
         listed = step_records(result.table, self._started)
         return replace(run, steps=listed, growth=found_growth)
+
+
+def _compiled(watcher: Watcher) -> list[str]:
+    """The note on compiled modules, where some ran."""
+    if "OptimizedModule" not in watcher.modules.values():
+        return []
+    return [
+        "Compiled modules ran (torch.compile): each call is measured from the outside,"
+        " its allocations and peak counted under its OptimizedModule; the modules"
+        " inside are not seen one by one (the graph is the one compiled without us)."
+    ]
 
 
 def _log_notes(found: Tallied) -> list[str]:

@@ -172,3 +172,25 @@ def test_a_recording_of_the_step_peaks_at_max_memory_allocated(name: str) -> Non
     assert run.peak_bytes == torch.cuda.max_memory_allocated()
     assert run.end_bytes == torch.cuda.memory_allocated()
     del state
+
+
+@pytest.mark.cuda
+def test_the_what_if_of_a_step_here_reproduces_this_allocator() -> None:
+    """On this GPU, under whatever settings this process has: the MLP's step recorded,
+    its what-if's replay under those settings reserves and allocates what the allocator's
+    own counters say."""
+    workload = WORKLOADS["mlp-adam-step"]
+    state = workload.build("cuda")
+    torch.cuda.synchronize()
+    torch.cuda.memory._record_memory_history(max_entries=100_000)
+    try:
+        torch.cuda.reset_peak_memory_stats()
+        workload.step(state)
+        torch.cuda.synchronize()
+        found = what_if(torch.cuda.memory._snapshot(), device=torch.cuda.current_device())
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    assert found.reproduced, found.note
+    assert found.reserved_peak_bytes == torch.cuda.max_memory_reserved()
+    assert found.allocated_peak_bytes == torch.cuda.max_memory_allocated()
+    del state

@@ -45,8 +45,8 @@ def test_the_text_report_ends_with_the_what_if(mlp: Path) -> None:
 def test_the_html_report_has_the_what_if(mlp: Path) -> None:
     page = load_snapshot(mlp, what_if=True)._repr_html_()
     assert (
-        "with expandable_segments:True the reserved peak would be 108.00M instead of 112.00M"
-        " (-4.00M)" in page
+        "<code>with expandable_segments:True the reserved peak would be 108.00M instead of"
+        " 112.00M (-4.00M)</code>" in page
     )
     assert "PyTorch&#x27;s caching allocator, under each setting alone" in page
 

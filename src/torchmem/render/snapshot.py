@@ -159,7 +159,7 @@ def what_if_section(device: str, found: WhatIf) -> Section:
         " replayed through the model of PyTorch's caching allocator, under each setting alone"
     )
     if found.settings is None or found.today is None or not found.reproduced:
-        return Section(title, [(f"No what-if: {found.note}.",)])
+        return Section(title, [(f"No what-if: {found.note}.",)], code=(0,))
     today = found.today
     rows = [
         (
@@ -178,7 +178,7 @@ def what_if_section(device: str, found: WhatIf) -> Section:
         "The segments of the trace's start are kept as they were (allocated again they do"
         " not reproduce its peaks): each setting is as if changed at the trace's start."
     )
-    return Section(title, rows, more=kept if found.kept else "")
+    return Section(title, rows, more=kept if found.kept else "", code=(0,))  # never cut
 
 
 def _blocks(record: SnapshotRecord, top: int) -> list[Section | str]:

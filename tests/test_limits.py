@@ -261,3 +261,51 @@ def test_what_other_threads_held_and_where_what_stayed_was_made_read_as_text() -
         "Allocated at:",
         "  4.00K  /p/t.py:3  test_keeps  KEPT.append(x)",
     ]
+
+
+GROWS = """
+import pytest
+import torch
+from torch import nn
+
+HISTORY = []
+
+
+@pytest.mark.limit_leaks(0, device="cpu")
+def test_trains():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 256, bias=False), nn.ReLU())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    for step in range(6):
+        out = model(torch.randn(64, 256))
+        HISTORY.append(out)
+        optimizer.zero_grad()
+        out.square().mean().backward()
+        optimizer.step()
+"""
+
+
+@pytest.mark.skipif(
+    getattr(meter("cpu"), "backend", "") != "allocator",
+    reason="needs the counting CPU allocator (a C++ compiler)",
+)
+def test_a_leak_in_a_training_loop_names_its_growth_per_step(
+    pytester: pytest.Pytester, no_gpu: object
+) -> None:
+    """Each step keeps its output, 64 x 256 float32 (65,536 bytes), in a module's list:
+    the explanation says by how much each step grows, from which line, and what holds it,
+    found among the garbage collector's objects (the test's module is not among the
+    variables the recording was given). The test keeps 917,504 bytes: the six outputs
+    (6 x 65,536) and, through their graphs, the weight and its gradient (2 x 262,144)."""
+    pytester.makepyfile(test_grows=GROWS)
+    result = pytester.runpytest_inprocess("-p", "no:cacheprovider", "-p", "no:memray", "-rA")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "Test was limited to leaking 0.00B but kept 896.00K on cpu (917,504 bytes more *",
+            "*- torchmem: tensors that stayed on cpu -*",
+            "cpu grows 64.00K per step from step 1, exactly at each of 5 steps:",
+            "  64.00K each step from */test_grows.py:14 (`out = model(torch.randn(64, 256))`),"
+            " held by list `HISTORY` in module test_grows",
+        ]
+    )

@@ -205,7 +205,8 @@ class Span:
             stayed = diff(self._before, MemReporter().snapshot(self._tensors)).appeared
             sites = {} if self._recording is None else self._recording.sites_alive(limit.device)
             named, origins = _origins(stayed, sites)
-            return replace(found, stayed=named, origins=origins)
+            growth = None if self._recording is None else self._recording.growth(limit.device)
+            return replace(found, stayed=named, origins=origins, growth=growth)
         return found
 
 

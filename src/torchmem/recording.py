@@ -25,7 +25,7 @@ from torchmem.meters import Meter, meter
 from torchmem.meters.ram import RamMeter
 from torchmem.records import TOP
 from torchmem.records.frames import SiteKey
-from torchmem.records.run import DeviceRun, ModulePeak, RunRecord
+from torchmem.records.run import DeviceRun, Growth, ModulePeak, RunRecord
 from torchmem.report import Report
 from torchmem.resolve import RAM, DeviceLike, measured
 
@@ -222,6 +222,24 @@ class Recording:
                         found[ptr] = log.sites[site]
         return found
 
+    def growth(self, device: str) -> Growth | None:
+        """Where memory on `device` rose at the end of each training step, by how much,
+        from which lines and why (see :attr:`DeviceRun.growth`); None where it did not, or
+        `device` has no event log. Less work than :meth:`report` (a failing test's
+        explanation asks for it).
+
+        Raises:
+            RuntimeError: the recording has not stopped.
+        """
+        if not self._stopped:
+            raise UsageError("stop the recording (leave its with-block) before reading it")
+        watcher = self._watcher or Watcher()
+        for found in self._logs:
+            result = self._kept.get(found.device)
+            if found.device == device and result is not None and result.rise is not None:
+                return self._growth(found, result, watcher, Names(watcher))
+        return None
+
     def report(self, top: int = TOP) -> RunReport:
         """Where the memory went: per device the peak, when, the end, the categories at
         the peak and the end, the lines whose allocations were alive at the peak, the
@@ -286,11 +304,15 @@ class Recording:
         self, run: DeviceRun, found: Tallied, result: Kept, watcher: Watcher, names: Names
     ) -> DeviceRun:
         """`run` with its steps and its growth, where it grows."""
-        forwards = watcher.phases.forwards()
-        labels = {key: names.label(key) for key in watcher.modules}
-        found_growth = growth(found, result, watcher.names, labels, forwards, self._held)
         listed = step_records(result.table, self._started)
-        return replace(run, steps=listed, growth=found_growth)
+        return replace(run, steps=listed, growth=self._growth(found, result, watcher, names))
+
+    def _growth(
+        self, found: Tallied, result: Kept, watcher: Watcher, names: Names
+    ) -> Growth | None:
+        labels = {key: names.label(key) for key in watcher.modules}
+        forwards = watcher.phases.forwards()
+        return growth(found, result, watcher.names, labels, forwards, self._held)
 
 
 def _compiled(watcher: Watcher) -> list[str]:

@@ -23,6 +23,7 @@ import numpy as np
 
 from torchmem.events import steps
 from torchmem.events.analysis import source
+from torchmem.events.holders import UNSEEN
 from torchmem.events.notes import NameTable
 from torchmem.events.sources import Tallied
 from torchmem.events.table import Table
@@ -157,10 +158,10 @@ def reason(
         if ptr in held:
             by_bytes[held[ptr]] = by_bytes.get(held[ptr], 0) + size
     found = sorted(by_bytes, key=lambda h: -by_bytes[h])
-    parts = [h for h in found if not h.startswith(GRAPH)][:2]
-    # Saved for backward, and not held but through a graph: the graph keeps them.
-    direct = np.array([not held.get(p, GRAPH).startswith(GRAPH) for p in rows.ptr.tolist()])
-    saved = (rows.cat == ACTIVATIONS) & ~direct.astype(bool)
+    parts = [h for h in found if _direct(h)][:2]
+    # Saved for backward, and held by no Python object but through a graph: it keeps them.
+    direct = np.array([_direct(held.get(p, UNSEEN)) for p in rows.ptr.tolist()], bool)
+    saved = (rows.cat == ACTIVATIONS) & ~direct
     if saved.any():
         owners: dict[str, None] = {}
         for index in np.unique(rows.name[saved]).tolist():
@@ -179,6 +180,12 @@ def reason(
             )
         parts.append(text)
     return "; ".join(parts) or None
+
+
+def _direct(holder: str) -> bool:
+    """Whether `holder` (a text of :func:`~torchmem.events.holders.holders`) is a Python
+    object holding the tensor itself, not a graph."""
+    return not holder.startswith(GRAPH) and holder != UNSEEN
 
 
 def _saved_by(owners: Sequence[str]) -> str:

@@ -1,5 +1,5 @@
 """What holds some storages alive: a walk from a program's variables when a recording
-stops, in words a report can print.
+stops, then the garbage collector's referrers, in words a report can print.
 
 From each variable of the namespace the recording was given (a script's globals, a
 block's locals), not starting with ``_``: a tensor is held by that variable; the items of
@@ -7,19 +7,27 @@ a list, tuple, set, deque or dictionary by it (``list `losses```), to :data:`DEP
 containers deep; an object's attributes by it (```trainer.cache```); a module's forward
 and backward hooks (and pre-hooks), of it and its submodules, by that hook (what their
 closures, defaults and bound objects hold). The tensors found so lead to autograd's
-graph behind them: the tensors its nodes saved for backward are held by that graph. The
-walk is bounded (:data:`OBJECTS` objects, :data:`NODES` graph nodes), and runs only
-where a step's allocations outlive it.
+graph behind them: the tensors its nodes saved for backward are held by that graph.
+Storages the walk did not reach are looked for among the tensors the garbage collector
+tracks, and their holders named where a module's globals or an object's attributes hold
+them (``list `HISTORY` in module test_model``); a tensor nothing it tracks refers to is
+held out of its sight (:data:`UNSEEN`: autograd's graph holds the tensors it saved so).
+The walk is bounded (:data:`OBJECTS` objects, :data:`NODES` graph nodes,
+:data:`TENSORS` tensors), and runs only where a step's allocations outlive it.
 """
 
 from __future__ import annotations
 
 import collections
+import gc
+import sys
 import types
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
+
+from torchmem._objects import tracked
 
 DEPTH = 3
 """Containers and attributes followed from a variable, at most."""
@@ -27,6 +35,11 @@ OBJECTS = 1_000_000
 """Objects the walk looks at, at most."""
 NODES = 200_000
 """Nodes of autograd's graphs the walk looks at, at most."""
+TENSORS = 100_000
+"""Tensors whose holders are looked for among the garbage collector's objects, at most."""
+UNSEEN = "held where the garbage collector cannot see"
+"""What holds a tensor no object the garbage collector tracks refers to (autograd's graph
+holds the tensors it saved so)."""
 _CONTAINERS: dict[type, str] = {
     list: "list",
     tuple: "tuple",
@@ -79,10 +92,7 @@ class _Walk:
                     self.visit(item, f"`{name}.{key}`", f"{name}.{key}", depth + 1)
 
     def _tensor(self, tensor: torch.Tensor, where: str) -> None:
-        try:
-            ptr = tensor.untyped_storage().data_ptr()
-        except Exception:  # no storage (sparse, a wrapper subclass)
-            ptr = 0
+        ptr = _ptr(tensor)
         if ptr in self.wanted:
             self.found.setdefault(ptr, f"held by {where}")
         if tensor.grad_fn is not None:
@@ -115,7 +125,7 @@ class _Walk:
                     except Exception:  # freed by a backward pass, or not a tensor's
                         continue
                     if isinstance(value, torch.Tensor):
-                        ptr = value.untyped_storage().data_ptr()
+                        ptr = _ptr(value)
                         if ptr in self.wanted:
                             self.found.setdefault(ptr, f"held by the autograd graph of {where}")
                 todo.extend(next_node for next_node, _ in node.next_functions)
@@ -154,4 +164,61 @@ def holders(namespace: Mapping[str, object], wanted: set[int]) -> dict[int, str]
         if not name.startswith("_"):
             walk.visit(value, f"`{name}`", name, 0)
     walk.saved()
+    missing = wanted - set(walk.found)
+    if missing:
+        walk.found.update(_referrers(missing, {id(namespace), id(walk.seen), id(walk.graphs)}))
     return walk.found
+
+
+def _referrers(wanted: set[int], ours: set[int]) -> dict[int, str]:
+    """For storages `wanted` the walk from the variables did not reach: what holds the
+    tensors that use them, from the garbage collector's referrers (a module's global, a
+    list or dictionary one holds, an object's attribute); ``UNSEEN`` where a tensor has
+    none that the collector sees (autograd's graph holds what it saved so)."""
+    tensors = [
+        t for t in tracked(torch.Tensor) if isinstance(t, torch.Tensor) and _ptr(t) in wanted
+    ][:TENSORS]
+    ours = ours | {id(tensors)}
+    by_tensor: dict[int, list[object]] = {id(t): [] for t in tensors}
+    for referrer in gc.get_referrers(*tensors):
+        if id(referrer) in ours or isinstance(referrer, types.FrameType):
+            continue
+        for held in gc.get_referents(referrer):
+            if id(held) in by_tensor:
+                by_tensor[id(held)].append(referrer)
+    found: dict[int, str] = {}
+    for tensor in tensors:
+        ptr, holders_of = _ptr(tensor), by_tensor[id(tensor)]
+        if holders_of:
+            found[ptr] = f"held by {_describe(holders_of[0], ours | {id(holders_of)})}"
+        else:
+            found.setdefault(ptr, UNSEEN)
+    return found
+
+
+def _describe(container: object, ours: set[int]) -> str:
+    """A container in words, named by what holds it where that is a module's globals or
+    an object's attributes: ``list `HISTORY` in module test_leak``."""
+    kind = _CONTAINERS.get(type(container), type(container).__name__)
+    modules = {id(vars(m)): m.__name__ for m in list(sys.modules.values()) if m is not None}
+    if id(container) in modules:
+        return f"a global of module {modules[id(container)]}"
+    for owner in gc.get_referrers(container):
+        if id(owner) in ours or not isinstance(owner, dict):
+            continue
+        key = next((k for k, v in owner.items() if v is container), None)
+        if key is None:
+            continue
+        if id(owner) in modules:
+            return f"{kind} `{key}` in module {modules[id(owner)]}"
+        for obj in gc.get_referrers(owner):
+            if getattr(obj, "__dict__", None) is owner:
+                return f"{kind} `{type(obj).__name__}.{key}`"
+    return f"a {kind}"
+
+
+def _ptr(tensor: torch.Tensor) -> int:
+    try:
+        return tensor.untyped_storage().data_ptr()
+    except Exception:  # no storage (sparse, a wrapper subclass)
+        return 0

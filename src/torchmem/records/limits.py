@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from torchmem.records.run import DeviceRun, ModulePeak
+from torchmem.records.run import DeviceRun, Growth, ModulePeak
 from torchmem.records.tensors import TensorRecord
 
 MARKERS = ("limit_memory", "limit_leaks")
@@ -120,6 +120,10 @@ class Verdict:
     origins: tuple[Origin, ...] = ()
     """The lines that allocated :attr:`stayed`, largest first, where the recording knows
     them."""
+    growth: Growth | None = None
+    """For a ``limit_leaks`` test over its limit whose memory rose at the end of each
+    training step (:attr:`~torchmem.records.run.DeviceRun.growth`): by how much, from which
+    lines, and why."""
 
     @property
     def measured_bytes(self) -> int:

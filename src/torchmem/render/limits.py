@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 from torchmem.records.frames import located
 from torchmem.records.limits import Elsewhere, Origin, Usage, Verdict
 from torchmem.render.kit import SAMPLED, size
-from torchmem.render.run import details_text
+from torchmem.render.run import details_text, growth_lines
 from torchmem.render.tensors import diff_text
 from torchmem.render.text import table
 from torchmem.units import readable_size
@@ -54,7 +54,8 @@ def failure(verdict: Verdict) -> str:
 def explanation(verdict: Verdict) -> tuple[str, str] | None:
     """The report section of a failed verdict, ``(title, text)``: for a peak, the lines,
     largest allocations, categories and modules at the peak; for a leak, the tensors that
-    stayed. None where there is nothing to show (process RAM)."""
+    stayed, after the growth per training step where the test's memory rose each step.
+    None where there is nothing to show (process RAM)."""
     device = verdict.limit.device
     if verdict.peak is not None:
         blocks = details_text(verdict.peak, verdict.modules)
@@ -62,15 +63,16 @@ def explanation(verdict: Verdict) -> tuple[str, str] | None:
             return None
         return f"torchmem: what held memory at the peak on {device}", "\n\n".join(blocks) + "\n"
     if verdict.limit.kind == "limit_leaks" and device != "ram":
+        grows = "" if verdict.growth is None else "\n".join(growth_lines(verdict.growth)) + "\n\n"
         if verdict.stayed:
             stayed = diff_text(verdict.stayed, ())
             if verdict.origins:
                 stayed += _origins(verdict.origins)
-            return f"torchmem: tensors that stayed on {device}", stayed
+            return f"torchmem: tensors that stayed on {device}", grows + stayed
         return (
             f"torchmem: tensors that stayed on {device}",
-            "No tensor Python can reach stayed: the memory is held where gc cannot see it"
-            " (a C++ cache, a graph autograd keeps for a backward pass that never ran).\n",
+            grows + "No tensor Python can reach stayed: the memory is held where gc cannot see"
+            " it (a C++ cache, a graph autograd keeps for a backward pass that never ran).\n",
         )
     return None
 

@@ -30,8 +30,8 @@ It follows ``c10/cuda/CUDACachingAllocator.cpp``, with its default settings:
 A segment's address is the driver's choice; the model numbers its own segments from
 2**40 unless told otherwise (:mod:`torchmem.estimator.replay` gives it the addresses a
 real trace recorded); one that would overlap another segment is refused (ValueError). The
-size rules themselves are :mod:`torchmem.records.caching`'s,
-which the snapshot reader shares.
+size rules themselves are :mod:`torchmem.records.caching`'s, which the snapshot reader
+shares.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ from typing import Any, NamedTuple, NoReturn
 
 from torchmem.errors import SnapshotError
 from torchmem.records import TOP
-from torchmem.records.caching import read_trace, replay_trace, timeline
+from torchmem.records.caching import NO_LIMIT, read_trace, replay_trace, timeline
 from torchmem.records.frames import Frame, SiteKey, stack_site
 from torchmem.records.run import Site
 from torchmem.records.snapshot import (
@@ -296,6 +296,8 @@ class _Reader:
         traces = self.items(data, "device_traces", "it")
         settings = data.get("allocator_settings")
         expandable = isinstance(settings, dict) and settings.get("expandable_segments") is True
+        split = settings.get("max_split_size", -1) if isinstance(settings, dict) else -1
+        max_split = split if type(split) is int and split > 0 else NO_LIMIT
         names = data.get(DEVICE_NAMES, [])
         if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
             self.fail(f"its {DEVICE_NAMES!r} is not a list of strings")
@@ -313,7 +315,8 @@ class _Reader:
                 tuple(own),
                 self.sites(sites.get(index, {})),
             )
-            trace = self.trace(traces[index] if index < len(traces) else [], index, expandable)
+            raw = traces[index] if index < len(traces) else []
+            trace = self.trace(raw, index, expandable, max_split)
             if trace.raw:
                 device = _replayed(device, trace, self, stacks)
             found[index] = device
@@ -389,7 +392,9 @@ class _Reader:
         self.check(raw, where, what)
         self.fail(f"{where} is not a {what}")
 
-    def trace(self, raw: object, device: int, expandable: bool = False) -> _Trace:
+    def trace(
+        self, raw: object, device: int, expandable: bool = False, max_split: int = NO_LIMIT
+    ) -> _Trace:
         if not isinstance(raw, list):
             self.fail(f"the trace of device {device} is a {type(raw).__name__}, not a list")
 
@@ -404,7 +409,7 @@ class _Reader:
         wide = min(low, start) < 0 or max(high, end) >= LIMIT
         for k in range(len(raw)) if wide else ooms:
             self.check(raw[k], f"entry {k} of the trace of device {device}", "trace entry")
-        return _Trace(raw, events, ooms, device, start, end, end != 0, expandable)
+        return _Trace(raw, events, ooms, device, start, end, end != 0, expandable, max_split)
 
 
 class _Trace(NamedTuple):
@@ -422,6 +427,8 @@ class _Trace(NamedTuple):
     timed: bool
     """Whether any of its entries has a time; where none has, entry numbers stand in."""
     expandable: bool
+    max_split: int
+    """``max_split_size_mb`` in bytes (:data:`~torchmem.records.caching.NO_LIMIT`: unset)."""
 
     def seconds(self, time_us: int, before: float) -> float:
         """Seconds from the trace's start to `time_us`; `before` where it has no time."""
@@ -449,7 +456,8 @@ def _replayed(
     segments = [(s.address, s.total_bytes) for s in device.segments]
     in_use = [(b.address, b.bytes) for s in device.segments for b in s.blocks if b.state in ACTIVE]
     events, timed = trace.events, trace.timed
-    done = replay_trace(segments, in_use, events, trace.start if timed else None, trace.expandable)
+    start = trace.start if timed else None
+    done = replay_trace(segments, in_use, events, start, trace.expandable, trace.max_split)
     base = device.active_bytes - done.end  # the anchor: the replay ends at the snapshot
     at_peak: dict[tuple[str, int, str], int] = {}
     for k in done.live:

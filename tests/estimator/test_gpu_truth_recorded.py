@@ -45,15 +45,9 @@ DIFFERENCE = {
 """Estimated minus real (peak, reserved) bytes where they are not equal: a backward pass's
 scratch tensors differ between CUDA's kernels and the CPU's (the 2.7B step: 0.007% of the
 peak, 0.09% of the reserve)."""
-NOT_MODELLED = {
-    ("gpt2-2layers-adamw-step", "max-split-64"): "the reader",
-    ("lm-2.7b-ctx128-fullstep-fp32", "max-split-64"): "the reader",
-}
-"""Recorded runs under other settings that the snapshot reader's block sizes do not
-reproduce yet: it does not follow ``max_split_size_mb`` (a block of at least that size is
-never split, so it can be larger than its request rounded by more than 1 MiB;
-``torchmem.records.caching.trace_blocks`` reads blocks by the default rule). The
-allocator model follows it: its replays below are exact."""
+NOT_MODELLED: dict[tuple[str, ...], str] = {}
+"""Recorded runs under other settings that the snapshot reader or the allocator model do
+not reproduce yet: none."""
 
 
 def recorded(check: str = "") -> list[Any]:

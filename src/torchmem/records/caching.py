@@ -16,6 +16,8 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple, NoReturn
 
 MIN_BLOCK = 512
+NO_LIMIT = 2**64
+"""``max_split_size_mb`` unset: any block may be split."""
 SMALL_SIZE = 2**20
 """Requests up to this size (rounded) come from the small pool."""
 SMALL_BUFFER = 2 * 2**20
@@ -54,14 +56,15 @@ def splits(size: int, remaining: int, expandable: bool = False) -> bool:
     return remaining >= MIN_BLOCK if size <= SMALL_SIZE or expandable else remaining > SMALL_SIZE
 
 
-def block_bytes(request: int, room: int | None) -> int:
+def block_bytes(request: int, room: int | None, max_split: int = NO_LIMIT) -> int:
     """The block of a request of `request` bytes (as a trace records it) placed at the start
     of a free stretch of `room` bytes (up to the next block in use, or the end of the
     segment): the request rounded, or the whole stretch where what would remain is too
-    small to split off. The request rounded where `room` is None or too small (the
-    addresses are not known well enough)."""
+    small to split off, or the request is of at least `max_split` bytes
+    (``max_split_size_mb``: never split). The request rounded where `room` is None or too
+    small (the addresses are not known well enough)."""
     size = round_size(request)
-    if room is None or room < size or splits(size, room - size):
+    if room is None or room < size or (size < max_split and splits(size, room - size)):
         return size
     return room
 
@@ -109,6 +112,7 @@ def trace_blocks(
     in_use: Iterable[tuple[int, int]],
     events: Sequence[tuple[int, int, int, int, int]],
     expandable: bool = False,
+    max_split: int = NO_LIMIT,
 ) -> list[int]:
     """The bytes of the block of each of a trace's `events` (:data:`KINDS` number, address,
     bytes, and two fields not read; 0 for a segment's), from the addresses: where each
@@ -118,7 +122,8 @@ def trace_blocks(
     end of the trace: the segments at its start follow by undoing its segment actions, the
     blocks in use then are those of the end the trace did not allocate, and those it frees
     without having allocated them (their size follows from the room they leave, when
-    freed). With expandable segments a block is its request rounded.
+    freed). With expandable segments a block is its request rounded; a request of at least
+    `max_split` bytes (``max_split_size_mb``) takes its whole free stretch.
     """
     ends = dict((address, address + size) for address, size in segments)
     for kind, address, size, _, _ in reversed(events):
@@ -137,7 +142,7 @@ def trace_blocks(
             traced.remove(address)
     sizes: dict[int, int] = {a: n for a, n in in_use if a not in traced}
     used = sorted({a for a, n in sizes.items() if n > SMALL_SIZE} | before)
-    return _replay_blocks(events, ends, sizes, used, expandable)
+    return _replay_blocks(events, ends, sizes, used, expandable, max_split)
 
 
 def _replay_blocks(
@@ -146,6 +151,7 @@ def _replay_blocks(
     sizes: dict[int, int],
     used: list[int],
     expandable: bool,
+    max_split: int,
 ) -> list[int]:
     """:func:`trace_blocks`, from the start of the trace: `ends` of its segments (address ->
     end address), `sizes` of its blocks in use (address -> bytes) and the addresses `used`
@@ -166,7 +172,7 @@ def _replay_blocks(
                     stretch = (
                         used[after] if after < len(used) and used[after] < end else end
                     ) - address
-                    if nbytes <= stretch <= nbytes + SMALL_SIZE:
+                    if nbytes <= stretch <= nbytes + SMALL_SIZE or max_split <= nbytes <= stretch:
                         nbytes = stretch
                 insort(used, address)
             sizes[address] = nbytes
@@ -177,7 +183,7 @@ def _replay_blocks(
                     nbytes = (
                         round_size(size)
                         if expandable
-                        else block_bytes(size, _room(address, starts, ends, used))
+                        else block_bytes(size, _room(address, starts, ends, used), max_split)
                     )
                 at = bisect.bisect_left(used, address)
                 if at < len(used) and used[at] == address:
@@ -232,11 +238,12 @@ def replay_trace(
     events: Sequence[tuple[int, int, int, int, int]],
     start_us: int | None,
     expandable: bool = False,
+    max_split: int = NO_LIMIT,
 ) -> TraceReplay:
     """Replay `events` (:func:`trace_blocks`, whose fourth field is the time in µs and
     fifth the entry index) in block bytes; times are seconds from `start_us`, or where that
     is None (the trace has no times) entry numbers."""
-    blocks = trace_blocks(segments, in_use, events, expandable)
+    blocks = trace_blocks(segments, in_use, events, expandable, max_split)
     running = highest = 0
     peak_at = -1
     points: list[tuple[float, int]] = [(0.0, 0)]

@@ -424,7 +424,7 @@ def test_memlog_magic(ipython, logger, capsys):
     assert our_callbacks(ipython, memlog) == []
     ipython.run_line_magic("memlog", "")
     assert capsys.readouterr().out == "memlog: off\n"
-    with pytest.raises(UsageError, match="expected on, off or compact"):
+    with pytest.raises(UsageError, match="expected on, off, compact or steps"):
         ipython.run_line_magic("memlog", "loud")
 
 

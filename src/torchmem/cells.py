@@ -24,7 +24,9 @@ from typing import Any
 
 from torchmem.errors import TorchmemError, require
 from torchmem.meters import DeviceMeter, Meter, Window, device_meter, meter
+from torchmem.recording import Recording
 from torchmem.records.cells import CellRecord, Data
+from torchmem.records.run import Growth
 from torchmem.resolve import resolve_device
 
 
@@ -52,6 +54,11 @@ class CellLogger:
             cycles that hold memory.
         shell: the IPython shell to log; default the running one (``get_ipython()``).
             Anything without IPython's ``events.register`` is a TypeError.
+        steps: also record each cell (``torchmem.record()`` of the second row's device,
+            with the line of each allocation), and where the cell runs a training loop
+            whose memory rises at the end of each step, say after the report by how
+            much, from which lines and why (:attr:`CellRecord.growth`). It costs what a
+            recording costs: a frame walk per allocation, PyTorch's global hooks.
 
     Use :meth:`start` and :meth:`stop` (each returns the logger, and both are harmless
     to repeat), or ``with CellLogger(): ...``. A cell that starts the logger is reported
@@ -59,7 +66,13 @@ class CellLogger:
     other cells that run cells inside them get one report.
     """
 
-    def __init__(self, compact: bool = False, gc_collect: bool = True, shell: Any = None) -> None:
+    def __init__(
+        self,
+        compact: bool = False,
+        gc_collect: bool = True,
+        shell: Any = None,
+        steps: bool = False,
+    ) -> None:
         if shell is not None and not callable(
             getattr(getattr(shell, "events", None), "register", None)
         ):
@@ -73,11 +86,14 @@ class CellLogger:
         """Run ``gc.collect()`` at the start and before each cell's reading."""
         self.shell = shell
         """The shell logged (None until :meth:`start` when not given)."""
+        self.steps = steps
+        """Record each cell, and report the growth per training step of one that grows."""
         self.history: list[CellRecord] = []
         """Every reported cell's record, oldest first."""
         self._registered = False
         self._depth = 0
         self._windows: tuple[Window, Window] | None = None
+        self._recording: Recording | None = None
         self._meters: tuple[Meter, Meter, DeviceMeter | None] | None = None
         self._started_at = 0.0
 
@@ -204,6 +220,8 @@ class CellLogger:
         assert self._meters is not None
         gen, gpu, _ = self._meters
         self._windows = (gen.window(), gpu.window())
+        if self.steps:
+            self._recording = Recording(gpu.device).start()
         self._started_at = time.perf_counter()
 
     def _close(self) -> None:
@@ -211,6 +229,17 @@ class CellLogger:
             for window in self._windows:
                 window.close()
             self._windows = None
+        if self._recording is not None:
+            self._recording.stop()
+            self._recording = None
+
+    def _growth(self) -> Growth | None:
+        """The growth per step of the cell recorded (its recording then stopped)."""
+        if self._recording is None:
+            return None
+        recording, self._recording = self._recording, None
+        recording.stop(getattr(self.shell, "user_ns", None))
+        return recording.growth(recording.device or "cpu")
 
     def _read(self, result: Any) -> CellRecord:
         elapsed = time.perf_counter() - self._started_at
@@ -221,6 +250,7 @@ class CellLogger:
         gen = _figures(gen_meter, self._windows[0])
         gpu = _figures(gpu_meter, self._windows[1])
         gpu_used = gpu[2] if whole_gpu is None else whole_gpu.used()
+        growth = self._growth()
         failed = bool(
             result is not None
             and (
@@ -239,6 +269,7 @@ class CellLogger:
             time_delta=elapsed,
             gpu_device=gpu_meter.device,
             failed=failed,
+            growth=growth,
         )
 
     def __repr__(self) -> str:

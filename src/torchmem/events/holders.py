@@ -62,33 +62,38 @@ class _Walk:
         self.found: dict[int, str] = {}
         self.seen: set[int] = set()
         self.graphs: list[tuple[str, torch.Tensor]] = []
+        self.queue: collections.deque[tuple[object, str, str | None, int]] = collections.deque()
         self._saved_names: dict[type, list[str]] = {}
 
     def visit(self, value: object, where: str, name: str | None, depth: int) -> None:
-        """Look at `value`, which `where` holds (``"list `x`"``); `name` is its path from a
-        variable (``trainer.cache``), None where it has none (in a hook's closure)."""
-        if id(value) in self.seen or len(self.seen) >= OBJECTS or isinstance(value, _SKIPPED):
-            return
-        self.seen.add(id(value))
-        if isinstance(value, torch.Tensor):
-            self._tensor(value, where)
-            return
-        if depth >= DEPTH:
-            return
+        """Look at `value` in its turn (nearer the variables first), which `where` holds
+        (``"list `x`"``); `name` is its path from a variable (``trainer.cache``), None
+        where it has none (in a hook's closure)."""
+        self.queue.append((value, where, name, depth))
+
+    def run(self) -> None:
+        while self.queue and len(self.seen) < OBJECTS:
+            value, where, name, depth = self.queue.popleft()
+            if id(value) in self.seen or isinstance(value, _SKIPPED):
+                continue
+            self.seen.add(id(value))
+            if isinstance(value, torch.Tensor):
+                self._tensor(value, where)
+            elif depth < DEPTH:
+                self._inside(value, where, name, depth)
+
+    def _inside(self, value: object, where: str, name: str | None, depth: int) -> None:
         kind = _CONTAINERS.get(type(value))
         if kind is not None:
             items: Iterable[object] = value.values() if isinstance(value, dict) else value  # type: ignore[assignment]
             inner = f"{kind} `{name}`" if name else f"a {kind} in {where}"
             for item in items:
                 self.visit(item, inner, None, depth + 1)
-            return
-        if isinstance(value, torch.nn.Module):
+        elif isinstance(value, torch.nn.Module):
             self._module(value, name, depth)
-            return
-        attributes = getattr(value, "__dict__", None)
-        if isinstance(attributes, dict) and name:
+        elif name and isinstance(attributes := getattr(value, "__dict__", None), dict):
             for key, item in list(attributes.items()):
-                if isinstance(key, str) and not key.startswith("__"):
+                if isinstance(key, str) and not key.startswith("_"):
                     self.visit(item, f"`{name}.{key}`", f"{name}.{key}", depth + 1)
 
     def _tensor(self, tensor: torch.Tensor, where: str) -> None:
@@ -163,10 +168,12 @@ def holders(namespace: Mapping[str, object], wanted: set[int]) -> dict[int, str]
     for name, value in list(namespace.items()):
         if not name.startswith("_"):
             walk.visit(value, f"`{name}`", name, 0)
+    walk.run()
     walk.saved()
     missing = wanted - set(walk.found)
     if missing:
-        walk.found.update(_referrers(missing, {id(namespace), id(walk.seen), id(walk.graphs)}))
+        ours = {id(namespace), id(walk.graphs), id(walk.queue)}
+        walk.found.update(_referrers(missing, ours))
     return walk.found
 
 

@@ -1,4 +1,4 @@
-"""``%memlog on|off|compact``: the per-cell memory logger as a line magic."""
+"""``%memlog on|off|compact|steps``: the per-cell memory logger as a line magic."""
 
 from __future__ import annotations
 
@@ -24,11 +24,14 @@ class MemlogHandle(MagicHandle):
 
 
 def register(ipython: Any) -> MemlogHandle:
-    """Define the line magic ``%memlog on|off|compact`` on `ipython` and return its handle
-    (one per shell: calling this again returns the same one).
+    """Define the line magic ``%memlog on|off|compact|steps`` on `ipython` and return its
+    handle (one per shell: calling this again returns the same one).
 
     ``%memlog on`` starts the three-line report after every cell, ``%memlog compact`` the
-    one-line report, ``%memlog off`` stops; ``%memlog`` alone says which is in force.
+    one-line report, ``%memlog steps`` the three lines and, for a cell whose memory grows
+    at each training step, the growth in words (each cell recorded: see
+    :class:`~torchmem.CellLogger`'s ``steps``), ``%memlog off`` stops; ``%memlog`` alone
+    says which is in force.
     """
     from IPython.core.error import UsageError
 
@@ -39,21 +42,18 @@ def register(ipython: Any) -> MemlogHandle:
     logger = CellLogger(shell=ipython)
 
     def memlog(line: str) -> None:
-        """Log memory per cell: ``%memlog on``, ``%memlog compact``, ``%memlog off``."""
+        """Log memory per cell: ``%memlog on``, ``compact``, ``steps``, ``off``."""
         word = line.strip().lower()
-        if word == "on":
-            logger.compact = False
-            logger.start()
-        elif word == "compact":
-            logger.compact = True
+        if word in ("on", "compact", "steps"):
+            logger.compact, logger.steps = word == "compact", word == "steps"
             logger.start()
         elif word == "off":
             logger.stop()
         elif word == "":
-            mode = "compact" if logger.compact else "on"
+            mode = "compact" if logger.compact else "steps" if logger.steps else "on"
             print(f"memlog: {mode if logger.running else 'off'}")
         else:
-            raise UsageError(f"%memlog {line.strip()!r}: expected on, off or compact")
+            raise UsageError(f"%memlog {line.strip()!r}: expected on, off, compact or steps")
 
     handle = MemlogHandle(ipython, logger)
     memlog.handle = handle  # type: ignore[attr-defined]

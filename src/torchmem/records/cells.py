@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from torchmem.records.run import Growth
 from torchmem.units import b2mb
 
 
@@ -49,6 +50,10 @@ class CellRecord:
     """What the second row measured: ``"cuda:0"``, ... or ``"cpu"`` (CPU tensors)."""
     failed: bool = False
     """True when the cell raised (or did not compile)."""
+    growth: Growth | None = None
+    """Where the cell ran training steps and the memory of the second row's device rose at
+    the end of each: by how much, from which lines, and why (a logger with ``steps=True``
+    only); else None."""
 
     def data(self) -> Data:
         """These figures in ipygpulogger's units: whole MB and seconds."""

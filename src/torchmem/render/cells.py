@@ -8,6 +8,7 @@ from typing import Any
 
 from torchmem.errors import require
 from torchmem.records.cells import CellRecord
+from torchmem.render.run import growth_lines
 from torchmem.units import MB, b2mb
 
 GEN_LABEL = "Gen:"
@@ -33,7 +34,9 @@ def text(record: CellRecord) -> str:
         GPU:     2467      0   1465 MB
 
     Where there is no GPU the second row is ``CPU tensors:`` and the first column widens
-    to fit it. ``(In [n])`` is left out for a cell IPython gave no number.
+    to fit it. ``(In [n])`` is left out for a cell IPython gave no number. A cell whose
+    memory grew at each training step (:attr:`CellRecord.growth`) has the growth in words
+    below.
     """
     rows = _rows(record)
     width = max(len(label) for label, *_ in rows)
@@ -43,7 +46,12 @@ def text(record: CellRecord) -> str:
         lines.append(
             f"{label:<{width}}    {b2mb(used_delta):5d}  {b2mb(peaked):5d}  {b2mb(used):5d} MB"
         )
-    return "\n".join(lines)
+    return "\n".join(lines + _growth(record))
+
+
+def _growth(record: CellRecord) -> list[str]:
+    """The cell's growth per training step, in words, where it has one."""
+    return [] if record.growth is None else growth_lines(record.growth)
 
 
 def compact(record: CellRecord) -> str:
@@ -57,12 +65,13 @@ def compact(record: CellRecord) -> str:
     ]
     parts.append(f"Time {record.time_delta:0.3f}s")
     parts.append("(Consumed/Peaked/Used Total)")
-    return " | ".join(parts)
+    return "\n".join([" | ".join(parts), *_growth(record)])
 
 
 def dataframe(records: Sequence[CellRecord]) -> Any:
     """One row per cell, every field of :class:`~torchmem.records.cells.CellRecord` a
-    column (bytes and seconds). Needs pandas."""
+    column (bytes and seconds; ``growth`` a dictionary of its fields, or None). Needs
+    pandas."""
     pd = require("pandas", "to_dataframe()")
     columns = [field.name for field in fields(CellRecord)]
     return pd.DataFrame([asdict(r) for r in records], columns=columns)

@@ -17,7 +17,11 @@ from torch import nn
 
 import torchmem
 from standins import KiB
+from torchmem.events import steps
+from torchmem.events.notes import Notes
+from torchmem.events.sources import Log
 from torchmem.events.steps import rise
+from torchmem.events.tally import CLOSE, HIT, OPEN, STEP
 from torchmem.meters import meter
 from torchmem.records.run import DeviceRun, GrowthSite
 
@@ -276,3 +280,53 @@ def test_a_rise_is_told_from_its_steps() -> None:
     assert rise(np.array([0, 100, 100, 104, 108, 112])) == (3, 4, True)
     assert rise(np.array([0, 7, 12, 20, 25])) == (1, 6, False)
     assert rise(np.array([0, 10, 20, 30, 30, 30])) is None  # stopped rising
+
+
+def test_steps_from_a_gpu_log_and_the_watchers_notes() -> None:
+    """A GPU's allocator history (here made by hand, times in ns) merged with the notes a
+    watcher keeps (the model's forward calls, the optimizers' steps): two optimizers
+    stepped one after the other, with no forward call between, end one step; a step's
+    peak counts allocations made and freed inside it. Bytes: A 100 (kept), B 50 (freed), C 200
+    (freed), D 100 (kept).
+
+    step 0: from 0 to the steps at 40 and 41: peak 150 (A and B), end 100;
+    step 1: to 70: peak 300 (A and C), end 100;
+    step 2: to 90: peak 200 (A and D), end 200.
+    """
+    events = torch.tensor(
+        [
+            [10, 0xA, 100, -1, -1],
+            [20, 0xB, 50, -1, 2],
+            [30, 0xB, -50, -1, 1],
+            [50, 0xC, 200, -1, 4],
+            [60, 0xC, -200, -1, 3],
+            [80, 0xD, 100, -1, -1],
+        ]
+    )
+    notes = Notes()
+    for number, when in enumerate((5, 45, 75)):  # the model's forward calls
+        notes.rows.append((when, OPEN, number, 7, 0, ""))
+        notes.rows.append((when + 1, CLOSE, number, 7, 0, ""))
+    for when, optimizer in ((40, 1), (41, 2), (70, 1), (90, 1)):
+        notes.rows.append((when, STEP, optimizer, 0, 0, ""))
+    found = Log("cuda:0", 0, 0, events, {}).tally(notes)
+    table = steps.table(found.tally.steps, 0)
+    assert table is not None and table.by == "optimizer.step()"
+    assert table.start.tolist() == [0, 100, 100]
+    assert table.peak.tolist() == [150, 300, 200]
+    assert table.end.tolist() == [100, 100, 200]
+    assert table.began.tolist() == [0, 41, 70]
+    assert table.ended.tolist() == [41, 70, 90]
+
+
+def test_without_an_optimizer_a_backward_pass_ends_a_step() -> None:
+    """The gradients of a root module's backward pass (depth 0: ``ref`` 1) end a step at the
+    last of them before the next forward call (``open``, depth 0) begins: 100 bytes made
+    in each of two passes, each pass hit twice."""
+    events = torch.tensor([[10, 0xA, 100, -1, -1], [40, 0xB, 100, -1, -1]])
+    notes = Notes()
+    for when, kind in ((5, OPEN), (20, HIT), (25, HIT), (30, OPEN), (50, HIT), (55, HIT)):
+        notes.rows.append((when, kind, 1, 7, 0 if kind == OPEN else 1, ""))
+    table = steps.table(Log("cpu", 0, 0, events, {}).tally(notes).tally.steps, 0)
+    assert table is not None and table.by == "backward"
+    assert (table.ended.tolist(), table.end.tolist()) == ([25, 55], [100, 200])

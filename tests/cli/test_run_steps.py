@@ -1,0 +1,80 @@
+"""``torchmem run`` on a script whose memory grows each step: the installed command in a
+subprocess, its JSON's steps and growth, and the summary's words."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from torchmem.meters import meter
+
+pytestmark = pytest.mark.skipif(
+    getattr(meter("cpu"), "backend", "") != "allocator",
+    reason="needs the counting CPU allocator (a C++ compiler)",
+)
+
+LEAKS = textwrap.dedent(
+    """\
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 256, bias=False), nn.ReLU())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    history = []
+    for step in range(8):
+        out = model(torch.randn(64, 256))
+        history.append(out)
+        optimizer.zero_grad()
+        out.square().mean().backward()
+        optimizer.step()
+    """
+)
+"""Each step keeps its output, 64 x 256 float32: 65,536 bytes, in ``history``."""
+
+
+def test_the_json_and_the_summary_name_the_growth(tmp_path: Path) -> None:
+    (tmp_path / "leaks.py").write_text(LEAKS)
+    command = [sys.executable, "-m", "torchmem", "run", "--json", "out.json", "leaks.py"]
+    done = subprocess.run(command, capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert done.returncode == 0, done.stderr
+    report = json.loads((tmp_path / "out.json").read_text())
+    assert report["steps_by"] == "optimizer.step()"
+    cpu = report["devices"]["cpu"]
+    steps = cpu["steps"]
+    assert [s["index"] for s in steps] == list(range(8))
+    assert all(s["count"] == 1 for s in steps)
+    ends = [s["end_bytes"] for s in steps]
+    assert [b - a for a, b in itertools.pairwise(ends)] == [65_536] * 7
+    assert all(s["start_bytes"] <= s["peak_bytes"] >= s["end_bytes"] for s in steps)
+    assert [s["start_bytes"] for s in steps[1:]] == ends[:-1]
+    growth = cpu["growth"]
+    assert report["growth"] == growth
+    assert {k: growth[k] for k in ("device", "bytes_per_step", "first_step", "exact")} == {
+        "device": "cpu",
+        "bytes_per_step": 65_536,
+        "first_step": 1,
+        "exact": True,
+    }
+    assert growth["steps"] == 7
+    assert growth["sites"] == [
+        {
+            "file": "leaks.py",
+            "line": 9,
+            "function": "<module>",
+            "bytes_per_step": 65_536,
+            "source": "out = model(torch.randn(64, 256))",
+            "reason": "held by list `history`",
+        }
+    ]
+    assert "cpu grows 64.00K per step from step 1, exactly at each of 7 steps:" in done.stderr
+    assert (
+        "64.00K each step from leaks.py:9 (`out = model(torch.randn(64, 256))`), held by list"
+        " `history`" in done.stderr
+    )

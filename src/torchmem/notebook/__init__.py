@@ -18,7 +18,7 @@ _loaded: weakref.WeakKeyDictionary[Any, tuple[MagicHandle, ...]] = weakref.WeakK
 
 def load_ipython_extension(ipython: Any) -> None:
     """Register torchmem's magics in `ipython` (what ``%load_ext torchmem`` calls):
-    ``%mlrun`` / ``%%mlrun`` and ``%memlog on|off|compact``."""
+    ``%mlrun`` / ``%%mlrun`` and ``%memlog on|off|compact|steps``."""
     from torchmem.notebook import magics, memlog
 
     if ipython not in _loaded:

@@ -19,6 +19,7 @@ The walk is bounded (:data:`OBJECTS` objects, :data:`NODES` graph nodes,
 from __future__ import annotations
 
 import collections
+import contextlib
 import gc
 import sys
 import types
@@ -165,15 +166,18 @@ def holders(namespace: Mapping[str, object], wanted: set[int]) -> dict[int, str]
     if not wanted:
         return {}
     walk = _Walk(wanted)
-    for name, value in list(namespace.items()):
-        if not name.startswith("_"):
-            walk.visit(value, f"`{name}`", name, 0)
-    walk.run()
-    walk.saved()
-    missing = wanted - set(walk.found)
-    if missing:
-        ours = {id(namespace), id(walk.graphs), id(walk.queue)}
-        walk.found.update(_referrers(missing, ours))
+    # The program's objects may do anything when looked at (a property, a __getattr__):
+    # what was found before one raises is kept, and the program goes on.
+    with contextlib.suppress(Exception):
+        for name, value in list(namespace.items()):
+            if not name.startswith("_"):
+                walk.visit(value, f"`{name}`", name, 0)
+        walk.run()
+        walk.saved()
+        missing = wanted - set(walk.found)
+        if missing:
+            ours = {id(namespace), id(walk.graphs), id(walk.queue)}
+            walk.found.update(_referrers(missing, ours))
     return walk.found
 
 

@@ -330,3 +330,27 @@ def test_without_an_optimizer_a_backward_pass_ends_a_step() -> None:
     table = steps.table(Log("cpu", 0, 0, events, {}).tally(notes).tally.steps, 0)
     assert table is not None and table.by == "backward"
     assert (table.ended.tolist(), table.end.tolist()) == ([25, 55], [100, 200])
+
+
+class Trainer:
+    def __init__(self) -> None:
+        self.cache: dict[int, torch.Tensor] = {}
+
+
+def test_outputs_kept_in_a_dict_of_an_object() -> None:
+    """Each step's output (65,536 bytes) stays in a dictionary, an attribute of an object a
+    variable holds."""
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    trainer = Trainer()
+    with record() as rec:
+        for step in range(STEPS):
+            out = model(torch.randn(64, 256))
+            trainer.cache[step] = out
+            optimizer.zero_grad()
+            out.square().mean().backward()
+            optimizer.step()
+    cpu = cpu_of(rec)
+    assert cpu.growth is not None and cpu.growth.bytes_per_step == ACTIVATION
+    found = site(cpu, "out = model(torch.randn(64, 256))")
+    assert (found.bytes_per_step, found.reason) == (ACTIVATION, "held by dict `trainer.cache`")

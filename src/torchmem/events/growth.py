@@ -27,6 +27,8 @@ from torchmem.events.holders import UNSEEN
 from torchmem.events.notes import NameTable
 from torchmem.events.sources import Tallied
 from torchmem.events.table import Table
+from torchmem.meters.native import NO_PYTHON_SITE
+from torchmem.records.frames import NO_PYTHON
 from torchmem.records.run import STEPS_LISTED, Growth, GrowthSite, Step
 
 ACTIVATIONS = 3
@@ -124,7 +126,7 @@ def growth(
     for group in np.argsort(-totals, kind="stable").tolist():
         site, owner = (int(v) for v in unique[group])
         key = found.sites.get(site)
-        where = (key[0], key[1], key[2]) if key is not None else ("<unknown>", 0, "")
+        where = (key[0], key[1], key[2]) if key is not None else (_pseudo(site), 0, "")
         if owner >= 0:
             where = (f"backward of {modules.get(owner, 'a module')}", 0, "")
         sites.setdefault(where, []).extend(np.flatnonzero(inverse == group).tolist())
@@ -180,6 +182,11 @@ def reason(
             )
         parts.append(text)
     return "; ".join(parts) or None
+
+
+def _pseudo(site: int) -> str:
+    """The file a site with no frame is listed under."""
+    return NO_PYTHON if site == NO_PYTHON_SITE else "<no site recorded>"
 
 
 def _direct(holder: str) -> bool:

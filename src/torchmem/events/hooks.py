@@ -404,6 +404,7 @@ class Watcher:
         for param in backward.params:
             self._waiting[param].discard(backward)
         backward.close()
+        self.phases.closed(backward.number)  # one that never began is no longer awaited
 
 
 def _opaque(hook: Callable[..., Any]) -> Callable[..., Any]:

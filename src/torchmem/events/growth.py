@@ -3,15 +3,15 @@ step, the lines whose allocations outlive their step and why they do.
 
 Why, where it can be told (nothing is claimed that was not seen):
 
-- kept with an autograd graph: the allocations that outlive their step include tensors
-  autograd saved for a backward pass (a saved-tensor hook marked them); the modules that
-  saved them are named, and the forward call that saved them is told apart: a backward
-  pass went through it (only ``retain_graph=True`` keeps its saved tensors after that)
-  or none did (a forward pass with gradients on whose output was never used for a
-  backward pass: evaluation without ``torch.no_grad()``);
-- held by a variable, a list, tuple or dictionary, an object's attribute or a module's
-  hook: found by :func:`holders`, a walk from the recorded code's variables when the
-  recording stopped (see :mod:`torchmem.events.holders`).
+- held by a variable, a list, tuple or dictionary, an object's attribute, a module's
+  hook or a module's global: what :func:`~torchmem.events.holders.holders` found when
+  the recording stopped;
+- kept with an autograd graph: tensors autograd saved for a backward pass (a
+  saved-tensor hook marked them) that no Python object holds but a graph; the modules
+  that saved them are named, and the forward calls that saved them told apart: a
+  backward pass went through them (only ``retain_graph=True`` keeps saved tensors after
+  that) or none did (a forward pass with gradients on whose output no backward pass
+  used: evaluation without ``torch.no_grad()``).
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ import numpy as np
 
 from torchmem.events import steps
 from torchmem.events.analysis import source
-from torchmem.events.holders import UNSEEN
+from torchmem.events.holders import GRAPH, UNSEEN
+from torchmem.events.hooks import ACTIVATIONS
 from torchmem.events.notes import NameTable
 from torchmem.events.sources import Tallied
 from torchmem.events.table import Table
@@ -31,12 +32,8 @@ from torchmem.meters.native import NO_PYTHON_SITE
 from torchmem.records.frames import NO_PYTHON
 from torchmem.records.run import STEPS_LISTED, Growth, GrowthSite, Step
 
-ACTIVATIONS = 3
-"""The category index of tensors autograd saved (:data:`~torchmem.records.run.CATEGORIES`)."""
 SITES = 5
 """Lines a growth lists at most."""
-GRAPH = "held by the autograd graph of "
-"""How :func:`~torchmem.events.holders.holders` says a graph holds a storage."""
 MODULES_NAMED = 3
 """Modules a reason names at most (the others are counted)."""
 

@@ -38,6 +38,9 @@ NODES = 200_000
 """Nodes of autograd's graphs the walk looks at, at most."""
 TENSORS = 100_000
 """Tensors whose holders are looked for among the garbage collector's objects, at most."""
+GRAPH = "held by the autograd graph of "
+"""How a storage an autograd graph saved is said to be held (then what holds the graph's
+tensor: ``"held by the autograd graph of `total`"``)."""
 UNSEEN = "held where the garbage collector cannot see"
 """What holds a tensor no object the garbage collector tracks refers to (autograd's graph
 holds the tensors it saved so)."""
@@ -133,7 +136,7 @@ class _Walk:
                     if isinstance(value, torch.Tensor):
                         ptr = _ptr(value)
                         if ptr in self.wanted:
-                            self.found.setdefault(ptr, f"held by the autograd graph of {where}")
+                            self.found.setdefault(ptr, GRAPH + where)
                 todo.extend(next_node for next_node, _ in node.next_functions)
 
     def _names(self, node: Any) -> list[str]:

@@ -354,3 +354,32 @@ def test_outputs_kept_in_a_dict_of_an_object() -> None:
     assert cpu.growth is not None and cpu.growth.bytes_per_step == ACTIVATION
     found = site(cpu, "out = model(torch.randn(64, 256))")
     assert (found.bytes_per_step, found.reason) == (ACTIVATION, "held by dict `trainer.cache`")
+
+
+def train_in_a_function(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    history = []
+    for _ in range(STEPS):
+        out = model(torch.randn(64, 256))
+        history.append(out)
+        optimizer.zero_grad()
+        out.square().mean().backward()
+        optimizer.step()
+
+
+def test_a_loop_in_a_function_that_returned() -> None:
+    """The outputs (65,536 bytes a step) are freed when the function returns, before the
+    recording stops: the line is named from what was alive at the last step's end, and
+    nothing holds them any more to say why; that autograd saved them (for ``square``,
+    outside any module) is still known."""
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    with record() as rec:
+        train_in_a_function(model, optimizer)
+    cpu = cpu_of(rec)
+    assert cpu.growth is not None and cpu.growth.bytes_per_step == ACTIVATION
+    found = site(cpu, "out = model(torch.randn(64, 256))")
+    assert found.bytes_per_step == ACTIVATION
+    assert found.reason == (
+        "alive at the last step's end, freed before the recording stopped (what held it was"
+        " gone); saved for backward"
+    )

@@ -34,6 +34,8 @@ from torchmem.records.run import STEPS_LISTED, Growth, GrowthSite, Step
 
 SITES = 5
 """Lines a growth lists at most."""
+FREED = "alive at the last step's end, freed before the recording stopped (what held it was gone)"
+"""The reason given for allocations freed before the recording stopped."""
 MODULES_NAMED = 3
 """Modules a reason names at most (the others are counted)."""
 
@@ -42,11 +44,15 @@ MODULES_NAMED = 3
 class Kept:
     """What a device's steps are, and what outlives the steps of its rise."""
 
-    table: steps.Table
+    table: steps.StepTable
     rise: tuple[int, int, bool] | None
     """``(first step, bytes per step, exact)`` of :func:`~torchmem.events.steps.rise`."""
     survivors: Table
-    """The allocations alive at the end made in the steps counted (of the rise)."""
+    """The allocations made in the steps counted (of the rise) and alive at the last
+    step's end."""
+    freed: np.ndarray
+    """Which of :attr:`survivors` were freed before the recording stopped (a loop in a
+    function that returned): nothing holds them any more to be asked why."""
     counted: int
     """How many steps :attr:`survivors` come from: those of the rise but the last, whose
     allocations may still be held by the program's variables (all of them where the rise
@@ -60,18 +66,20 @@ def kept(found: Tallied) -> Kept | None:
     if table is None:
         return None
     rise = steps.rise(table.end)
-    live = found.tally.live
     if rise is None:
-        return Kept(table, None, live.take(np.zeros(len(live), bool)), 0)
+        return Kept(table, None, Table.empty(), np.zeros(0, bool), 0)
+    gone = found.tally.steps.gone(int(table.last_row[-1]))
+    alive = found.tally.live.concat(gone)
     first, last = rise[0], len(table) - 1
     if last - first >= steps.MIN_STEADY:
         last -= 1
-    step = np.searchsorted(table.last_row, live.born)
-    chosen = (live.born >= 0) & (step >= first) & (step <= last)
-    return Kept(table, rise, live.take(chosen), last - first + 1)
+    step = np.searchsorted(table.last_row, alive.born)
+    survivors = alive.take((alive.born >= 0) & (step >= first) & (step <= last))
+    freed = np.isin(survivors.key, gone.key)
+    return Kept(table, rise, survivors, freed, last - first + 1)
 
 
-def step_records(table: steps.Table, origin: int) -> tuple[Step, ...]:
+def step_records(table: steps.StepTable, origin: int) -> tuple[Step, ...]:
     """The steps as records (times from `origin`, ``time.monotonic_ns()``): each one,
     or past :data:`STEPS_LISTED` the first and groups of steps in a row."""
     n = len(table)
@@ -129,14 +137,16 @@ def growth(
         sites.setdefault(where, []).extend(np.flatnonzero(inverse == group).tolist())
     listed = []
     for where, members in list(sites.items())[:SITES]:
-        group_rows = rows.take(np.array(members, np.int64))
+        chosen = np.array(members, np.int64)
+        group_rows = rows.take(chosen)
         key = found.sites.get(int(group_rows.site[0]))
+        why = reason(group_rows, result.freed[chosen], names, modules, forwards, held)
         listed.append(
             GrowthSite(
                 *where,
                 int(group_rows.size.sum()) // result.counted,
                 source(key) if key is not None and where[1] else None,
-                reason(group_rows, names, modules, forwards, held),
+                why,
             )
         )
     listed.sort(key=lambda s: s.bytes_per_step, reverse=True)
@@ -146,12 +156,20 @@ def growth(
 
 def reason(
     rows: Table,
+    freed: np.ndarray,
     names: NameTable,
     modules: dict[int, str],
     forwards: np.ndarray,
     held: dict[int, str],
 ) -> str | None:
-    """Why allocations `rows` outlive their step, in words; None where nothing says."""
+    """Why allocations `rows` outlive their step, in words; None where nothing says. Those
+    `freed` before the recording stopped say only that, and what autograd saved."""
+    if freed.all():
+        saved = rows.cat == ACTIVATIONS
+        owners = _owners(rows, saved, names, modules)
+        by = f" by {_listed(owners)}" if owners else ""
+        return FREED + (f"; saved for backward{by}" if saved.any() else "")
+    rows = rows.take(~freed)
     by_bytes: dict[str, int] = {}
     for ptr, size in zip(rows.ptr.tolist(), rows.size.tolist(), strict=True):
         if ptr in held:
@@ -162,14 +180,10 @@ def reason(
     direct = np.array([_direct(held.get(p, UNSEEN)) for p in rows.ptr.tolist()], bool)
     saved = (rows.cat == ACTIVATIONS) & ~direct
     if saved.any():
-        owners: dict[str, None] = {}
-        for index in np.unique(rows.name[saved]).tolist():
-            entry = names.entries[index][0] if 0 <= index < len(names.entries) else None
-            if entry is not None and entry[0] == "saved":
-                owners.setdefault(modules.get(entry[1], "the model"))
+        owners = _owners(rows, saved, names, modules)
         graph = next((h.removeprefix(GRAPH) for h in found if h.startswith(GRAPH)), None)
         whose = f"the autograd graph of {graph}" if graph else "its autograd graph"
-        text = f"kept with {whose}{_saved_by(list(owners))}"
+        text = f"kept with {whose}{_saved_by(owners)}"
         after = _backed(rows.time[saved], forwards)
         if after is not None:
             text += (
@@ -179,6 +193,16 @@ def reason(
             )
         parts.append(text)
     return "; ".join(parts) or None
+
+
+def _owners(rows: Table, saved: np.ndarray, names: NameTable, modules: dict[int, str]) -> list[str]:
+    """The modules that saved allocations `saved` of `rows` for backward, named."""
+    owners: dict[str, None] = {}
+    for index in np.unique(rows.name[saved]).tolist():
+        entry = names.entries[index][0] if 0 <= index < len(names.entries) else None
+        if entry is not None and entry[0] == "saved":
+            owners.setdefault(modules.get(entry[1], "the model"))
+    return list(owners)
 
 
 def _pseudo(site: int) -> str:
@@ -195,10 +219,15 @@ def _direct(holder: str) -> bool:
 def _saved_by(owners: Sequence[str]) -> str:
     if not owners:
         return " (tensors saved for backward)"
+    return f" (saved tensors of {_listed(owners)})"
+
+
+def _listed(owners: Sequence[str]) -> str:
+    """``2 modules: fc1 (Linear), act (ReLU)``."""
     named = ", ".join(owners[:MODULES_NAMED])
     more = f" and {len(owners) - MODULES_NAMED} more" if len(owners) > MODULES_NAMED else ""
     noun = "module" if len(owners) == 1 else "modules"
-    return f" (saved tensors of {len(owners)} {noun}: {named}{more})"
+    return f"{len(owners)} {noun}: {named}{more}"
 
 
 def _backed(times: np.ndarray, forwards: np.ndarray) -> bool | None:

@@ -22,6 +22,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from torchmem.events.rows import CLOSE, HIT, KIND, OPEN, REF, SITE, STEP
+from torchmem.events.table import Table as Table
+
 BY = ("optimizer.step()", "backward", "forward")
 """What ends a step, in the order of preference: the first found in a run is used."""
 MIN_STEADY = 3
@@ -77,38 +80,87 @@ class Ends:
         return found
 
 
+@dataclass(frozen=True)
+class Found:
+    """Where a chunk of rows may end a step, of each kind of :data:`BY`: the rows, and
+    those that separate two ends (an end with no separator since the one before replaces
+    it)."""
+
+    rows: dict[str, tuple[np.ndarray, np.ndarray]]
+    """Per kind: the rows that may end a step, the rows that separate them."""
+
+    @property
+    def lasts(self) -> list[int]:
+        """The last row of each kind that may end a step (what is alive there may outlive
+        a step: it needs a record)."""
+        return [int(at[-1]) for at, _ in self.rows.values() if len(at)]
+
+
 class StepEnds:
-    """Where a step may end, of each kind of :data:`BY`, as a tally's stream passes."""
+    """Where a step may end, of each kind of :data:`BY`, as a tally's stream passes; and
+    the allocations that died after the latest end of each kind (alive at the last step's
+    end, which a program may free before the recording stops: a loop in a function that
+    returned)."""
 
     def __init__(self, base: int) -> None:
         self.base = base
         self.kinds = {by: Ends(base) for by in BY}
         self.root = -1
         """The module index of the first outermost module whose forward call returned."""
+        self._gone: list[tuple[Table, np.ndarray]] = []
+        """Records that died after the earliest of the kinds' latest ends, with the row of
+        their free."""
 
-    def feed(
-        self,
-        times: np.ndarray,
-        cur: np.ndarray,
-        seq: int,
-        *,
-        stepped: np.ndarray,
-        opened: np.ndarray,
-        hit: np.ndarray,
-        returned: np.ndarray,
-    ) -> None:
-        """A chunk of rows (the first is row `seq`): their times and the use after each, and
-        which are an optimizer's step (`stepped`), an outermost module's forward call
-        beginning (`opened`), a gradient its backward pass ends with (`hit`), and which
-        module's forward call returned (`returned`: its index, else -1)."""
-        begins = np.flatnonzero(opened)
-        optimizer, backward, forward = self.kinds.values()
-        optimizer.feed(np.flatnonzero(stepped), begins, times, cur, seq)
-        backward.feed(np.flatnonzero(hit), np.flatnonzero(opened | stepped), times, cur, seq)
+    def find(self, rows: np.ndarray) -> Found:
+        """Where the chunk `rows` may end a step: an optimizer's step, a gradient an
+        outermost module's backward pass ends with (depth 0), the return of a forward call
+        of the first outermost module called; separated by an outermost module's forward
+        call beginning (and, for backward passes, a step)."""
+        kind, ref = rows[:, KIND], rows[:, REF]
+        opened = (kind == OPEN) & (ref == 0)
+        returned = np.where((kind == CLOSE) & (ref == 0), rows[:, SITE], -1)
         if self.root < 0 and (returned >= 0).any():
             self.root = int(returned[returned >= 0][0])
-        root = np.flatnonzero(returned == self.root) if self.root >= 0 else begins[:0]
-        forward.feed(root, begins, times, cur, seq)
+        stepped, begins = kind == STEP, np.flatnonzero(opened)
+        return Found(
+            {
+                BY[0]: (np.flatnonzero(stepped), begins),
+                BY[1]: (
+                    np.flatnonzero((kind == HIT) & (ref == 1)),
+                    np.flatnonzero(opened | stepped),
+                ),
+                BY[2]: (np.flatnonzero((returned == self.root) & (self.root >= 0)), begins),
+            }
+        )
+
+    def feed(self, times: np.ndarray, cur: np.ndarray, seq: int, found: Found) -> None:
+        """A chunk of rows (the first is row `seq`): their times, the use after each, and
+        where they may end a step (:meth:`find`)."""
+        for by, (at, separators) in found.rows.items():
+            self.kinds[by].feed(at, separators, times, cur, seq)
+
+    def bury(self, records: Table, died: np.ndarray, dead: np.ndarray) -> None:
+        """The records `dead` of `records` died, at rows `died`: kept where that was after
+        the latest end of a step of each kind (none before a step ended)."""
+        latest = [int(e.rows[-3]) for e in self.kinds.values() if e.rows]
+        if not latest:
+            return
+        after = min(latest)
+        self._gone = [
+            (r, d) if (d > after).all() else (r.take(d > after), d[d > after])
+            for r, d in self._gone
+        ]
+        late = dead & (died > after)
+        if late.any():
+            self._gone.append((records.take(late), died[late]))
+        self._gone = [(r, d) for r, d in self._gone if len(d)]
+
+    def gone(self, after: int) -> Table:
+        """The records that died after row `after`."""
+        found = Table.empty()
+        for records, died in self._gone:
+            found = found.concat(records.take(died > after))
+        return found
 
     def read(self) -> tuple[str, np.ndarray] | None:
         """What ended the steps (one of :data:`BY`) and the steps' ends (rows of
@@ -120,7 +172,7 @@ class StepEnds:
 
 
 @dataclass(frozen=True)
-class Table:
+class StepTable:
     """The steps of a run on one device, in arrays of one entry a step."""
 
     by: str
@@ -142,14 +194,14 @@ class Table:
         return len(self.end)
 
 
-def table(ends: StepEnds, start: int) -> Table | None:
+def table(ends: StepEnds, start: int) -> StepTable | None:
     """The steps of a tally's stream (`start`: ``time.monotonic_ns()`` at its start)."""
     found = ends.read()
     if found is None:
         return None
     by, rows = found
     began_use = np.r_[ends.base, rows[:-1, 2]]
-    return Table(
+    return StepTable(
         by,
         began_use,
         np.maximum(began_use, rows[:, 3]),

@@ -22,24 +22,28 @@ from __future__ import annotations
 
 import numpy as np
 
+from torchmem.events.rows import (
+    ADOPT as ADOPT,
+    ALLOC as ALLOC,
+    CLOSE as CLOSE,
+    COLUMNS as COLUMNS,
+    FREE as FREE,
+    HIT as HIT,
+    KIND as KIND,
+    KINDS as KINDS,
+    MARK as MARK,
+    OPEN as OPEN,
+    PTR as PTR,
+    REF as REF,
+    SITE as SITE,
+    SIZE as SIZE,
+    STEP as STEP,
+    TIME as TIME,
+)
 from torchmem.events.steps import StepEnds
 from torchmem.events.table import Table
 from torchmem.events.timeline import Timeline, category_changes
 
-TIME, PTR, SIZE, SITE, REF, KIND = range(6)
-COLUMNS = 6
-"""A row: ``time.monotonic_ns()``; address; bytes (negative for a free); site index (an
-allocation), payload (a mark: ``name << 3 | category``; a probe: module index), or the
-adopting tally (an adoption); the sequence number it refers to (or, for a probe, its
-depth and kind, see :data:`OPEN`); and its kind."""
-ALLOC, FREE, ADOPT, MARK, OPEN, HIT, CLOSE, STEP = range(8)
-KINDS = ("alloc", "free", "adopt", "mark", "open", "hit", "close", "step")
-"""Row kinds. A probe's :data:`PTR` is its number, its :data:`SITE` the module's index,
-its :data:`REF` ``depth << 1 | backward``. A forward pass opens and closes; a backward
-pass opens when the gradient of one of its outputs is ready, hits each time a gradient
-of one of its inputs is, and closes when it can run no more; its span ends at the last
-hit. A step row marks the end of an ``optimizer.step()`` (its :data:`PTR`: the optimizer's
-id)."""
 BEFORE_SITE = -4
 """The site of a storage alive when the recording started."""
 UNNAMED = -1
@@ -124,7 +128,8 @@ class Tally:
         rises = bool(cur[j] > self.peak)
         frees = np.flatnonzero(free)
         refs = rows[frees, REF]
-        passing, matched = self._passing(alloc, frees, refs, j if rises else None)
+        ends = self.steps.find(rows)
+        passing, matched = self._passing(alloc, frees, refs, ([j] if rises else []) + ends.lasts)
         made = np.flatnonzero((alloc & ~passing) | (kind == ADOPT))
         marks = np.flatnonzero(kind == MARK)
         table = self.live.concat(self._arrivals(rows, alloc, made, marks))
@@ -149,7 +154,7 @@ class Tally:
         unmatched[lost] = rows[lost, SIZE]
         hidden = self.hidden + np.cumsum(unmatched)
         self._probes(rows, kind, cur, table)
-        self._step_ends(rows, kind, cur)
+        self.steps.feed(rows[:, TIME], cur, self.seq, ends)
         self._queue_engine(rows, alloc, made)
         if rises:
             self.peak = int(cur[j])
@@ -158,6 +163,7 @@ class Tally:
             self.at_peak = table.take((table.born <= self.peak_seq) & (died > self.peak_seq))
             self.hidden_at_peak = int(hidden[j])
         self.live = table.take(died == _NEVER)
+        self.steps.bury(table, died, died != _NEVER)
         self.current = int(cur[-1])
         self.hidden = int(hidden[-1])
         self.seq += n
@@ -168,34 +174,21 @@ class Tally:
         self.events += len(changes)
         self._keep_recent(changes)
 
-    def _step_ends(self, rows: np.ndarray, kind: np.ndarray, cur: np.ndarray) -> None:
-        """Feed :attr:`steps` the rows where a step may end: an optimizer's step, a root
-        module's backward hit (depth 0) and its forward call's return."""
-        ref = rows[:, REF]
-        self.steps.feed(
-            rows[:, TIME],
-            cur,
-            self.seq,
-            stepped=kind == STEP,
-            opened=(kind == OPEN) & (ref == 0),
-            hit=(kind == HIT) & (ref == 1),
-            returned=np.where((kind == CLOSE) & (ref == 0), rows[:, SITE], -1),
-        )
-
     def _passing(
-        self, alloc: np.ndarray, frees: np.ndarray, refs: np.ndarray, peak: int | None
+        self, alloc: np.ndarray, frees: np.ndarray, refs: np.ndarray, kept: list[int]
     ) -> tuple[np.ndarray, np.ndarray]:
-        """The allocations of a chunk freed in it too, which need no record unless alive at a
-        new peak (row `peak`): they are counted in the use already (most of a run of tiny
-        allocations). Returns them (a mask of the rows) and the frees that name them (a mask
-        of `frees`, whose rows' :data:`REF` are `refs`)."""
+        """The allocations of a chunk freed in it too, which need no record unless alive at
+        one of rows `kept` (a new peak, the chunk's last end of a step of each kind): they
+        are counted in the use already (most of a run of tiny allocations). Returns them (a
+        mask of the rows) and the frees that name them (a mask of `frees`, whose rows'
+        :data:`REF` are `refs`)."""
         n = len(alloc)
         place = refs - self.seq  # where the allocation each free names is in these rows
         inside = np.flatnonzero((place >= 0) & (place < n))
         born, gone = place[inside], frees[inside]
         short = alloc[born]
-        if peak is not None:
-            short &= (born > peak) | (gone <= peak)
+        for row in kept:
+            short &= (born > row) | (gone <= row)
         passing = np.zeros(n, bool)
         passing[born[short]] = True
         matched = np.zeros(len(frees), bool)

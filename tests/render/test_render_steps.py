@@ -68,7 +68,9 @@ def test_a_run_that_does_not_grow_has_the_table_alone() -> None:
 def test_the_html_has_the_steps_and_the_growth() -> None:
     html = render.html(record())
     assert "Steps on cpu (each ends where optimizer.step() returns):" in html
-    assert "cpu grows 192.00K per step from step 1" in html
+    assert (
+        "cpu grows 192.00K per step from step 1, exactly at each of 5 steps:<br>  128.00K" in html
+    )
     assert "held by list `losses`" in html
 
 

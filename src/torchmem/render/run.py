@@ -44,6 +44,8 @@ from torchmem.render.kit import (
 from torchmem.units import readable_size
 
 TITLE = "torchmem: where the memory went"
+GROWTH_BREAK = "\n  "
+"""What separates the growth's lines under the steps' table (a line break in HTML)."""
 SOURCE = 24
 """The fewest characters of a site's line the text report shows, however narrow the
 terminal."""
@@ -148,7 +150,7 @@ def _steps(record: RunRecord, run: DeviceRun) -> Section | None:
         f"Steps on {run.device} (each ends where {_ends(record.steps_by)}):",
         rows,
         header=("steps", "start", "peak", "end"),
-        more="\n  ".join(growth_lines(run.growth)) if run.growth else "",
+        more=GROWTH_BREAK.join(growth_lines(run.growth)) if run.growth else "",
     )
 
 
@@ -345,7 +347,10 @@ def html(record: RunRecord, top: int = 10, hover: bool = True) -> str:
         parts.append("<p>No device was recorded.</p>")
     main = record.devices.get(record.main_device)
     for index, section in enumerate(_sections(record, top)):
-        parts.append(section_html(section))
+        drawn = section_html(section)
+        if section.title.startswith("Steps on"):  # the growth's lines stay lines
+            drawn = drawn.replace(GROWTH_BREAK, "<br>")
+        parts.append(drawn)
         if index == 0 and record.devices:
             parts += [
                 chart.timeline(run, record.phases, until=record.duration)

@@ -9,6 +9,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from types import FrameType, TracebackType
+from typing import Any
 
 import numpy as np
 import torch
@@ -283,6 +284,7 @@ class Recording:
                 )
         if self._cuda is not None:
             notes.extend(self._cuda.notes)
+            devices = _what_ifs(devices, self._cuda.history)
         if self._cpu is not None and self.sites and not self._cpu.records_sites:
             notes.append(
                 "CPU allocation sites were not recorded: they need Python 3.10 to 3.13 with"
@@ -313,6 +315,27 @@ class Recording:
         labels = {key: names.label(key) for key in watcher.modules}
         forwards = watcher.phases.forwards()
         return growth(found, result, watcher.names, labels, forwards, self._held)
+
+
+def _what_ifs(
+    devices: dict[str, DeviceRun], history: dict[str, Any] | None
+) -> dict[str, DeviceRun]:
+    """`devices` with each GPU's allocator history (`history`, ``_snapshot()``'s) replayed
+    under other allocator settings: its fragmentation at the peak, the reserved peak each
+    would give (:func:`torchmem.estimator.whatif.what_if`; linear in the history, which
+    keeps at most :data:`~torchmem.events.sources.CUDA_ENTRIES` actions)."""
+    if history is None:
+        return devices
+    from torchmem.estimator.whatif import what_if
+
+    return {
+        name: (
+            replace(run, what_if=what_if(history, device=int(name.removeprefix("cuda:"))))
+            if name.startswith("cuda:")
+            else run
+        )
+        for name, run in devices.items()
+    }
 
 
 def _compiled(watcher: Watcher) -> list[str]:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from torchmem.records.frames import Stack
+from torchmem.records.whatif import WhatIf
 
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "other")
 """What a byte can be, in the order reports list them. A storage that is several things
@@ -282,6 +283,10 @@ class DeviceRun:
     ended or the device has no event log (its peak laps do not say where a step ends)."""
     growth: Growth | None = None
     """Memory that rises at the end of each step, where it does."""
+    what_if: WhatIf | None = None
+    """GPUs only: the recorded allocator history replayed through the model of the caching
+    allocator: the fragmentation at the peak (reserved but not allocated, the largest free
+    block) and the reserved peak under other allocator settings."""
 
 
 @dataclass(frozen=True)
@@ -431,6 +436,7 @@ def _device_json(run: DeviceRun) -> dict[str, Any]:
         ),
         "steps": [step.to_json() for step in run.steps],
         "growth": None if run.growth is None else run.growth.to_json(),
+        "what_if": None if run.what_if is None else run.what_if.to_json(),
     }
 
 
@@ -457,6 +463,7 @@ def _device_from_json(name: str, entry: dict[str, Any], timeline: Any) -> Device
         exact=entry["exact"],
         steps=tuple(_step(step) for step in entry.get("steps", ())),  # older reports: none
         growth=None if entry.get("growth") is None else Growth.from_json(entry["growth"]),
+        what_if=None if entry.get("what_if") is None else WhatIf.from_json(entry["what_if"]),
     )
 
 

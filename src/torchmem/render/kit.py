@@ -50,6 +50,11 @@ def size(nbytes: int | None, missing: str = MISSING, mark: str = "") -> str:
     return missing if nbytes is None else mark + readable_size(nbytes)
 
 
+def signed(nbytes: int) -> str:
+    """``+1.50M`` for a rise, ``-1.50M`` for a fall (``0.00B`` for none)."""
+    return f"+{readable_size(nbytes)}" if nbytes > 0 else readable_size(nbytes)
+
+
 def seconds(value: float | None) -> str:
     """``2.41s``; :data:`MISSING` where there is no value."""
     return MISSING if value is None else f"{value:.2f}s"

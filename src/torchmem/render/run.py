@@ -41,6 +41,7 @@ from torchmem.render.kit import (
     section_text,
     size,
 )
+from torchmem.render.whatif import what_if_section
 from torchmem.units import readable_size
 
 TITLE = "torchmem: where the memory went"
@@ -250,6 +251,7 @@ def _sections(record: RunRecord, top: int, width: int | None = None) -> list[Sec
     found += [_categories(run) for name, run in record.devices.items() if run is not main]
     if main is not None:
         found += [_sites(main, top, width), _largest(main, top)]
+    found += [what_if_section(n, r.what_if) for n, r in record.devices.items() if r.what_if]
     found.append(_modules(record.modules, top))
     return [section for section in found if section is not None]
 

@@ -23,7 +23,6 @@ from torchmem.records.snapshot import (
     SnapshotDiffRecord,
     SnapshotRecord,
 )
-from torchmem.records.whatif import Outcome, WhatIf
 from torchmem.render import chart
 from torchmem.render.kit import (
     Section,
@@ -32,9 +31,11 @@ from torchmem.render.kit import (
     seconds,
     section_html,
     section_text,
+    signed,
     size,
 )
 from torchmem.render.text import encodable
+from torchmem.render.whatif import what_if_section
 from torchmem.units import readable_size
 
 TITLE = "torchmem: memory snapshot"
@@ -130,55 +131,6 @@ def _oom(device: DeviceSnapshot) -> str | None:
         f" {readable_size(oom.requested_bytes)}; the largest free block was"
         f" {readable_size(oom.largest_free_bytes)}{free}."
     )
-
-
-def _settings(settings: str) -> str:
-    return settings or "PyTorch's defaults"
-
-
-def _would(outcome: Outcome, today: int) -> str:
-    """``with expandable_segments:True the reserved peak would be 41.20G instead of
-    44.70G (-3.50G)``."""
-    change = outcome.reserved_peak_bytes - today
-    line = (
-        f"with {_settings(outcome.settings)} the reserved peak would be"
-        f" {readable_size(outcome.reserved_peak_bytes)} instead of {readable_size(today)}"
-        f" ({_signed(change) if change else 'no change'})"
-    )
-    if outcome.out_of_memory:
-        line += ", and it would run out of the allowed memory"
-    elif "garbage_collection_threshold" in outcome.settings and not change:
-        line += ": it acts only where a memory fraction is set"
-    return line
-
-
-def what_if_section(device: str, found: WhatIf) -> Section:
-    """The lines of a what-if (:class:`WhatIf`) for `device` (``"cuda:0"``)."""
-    title = (
-        f"Allocator settings on {device}: the trace's {found.allocations:,} allocations"
-        " replayed through the model of PyTorch's caching allocator, under each setting alone"
-    )
-    if found.settings is None or found.today is None or not found.reproduced:
-        return Section(title, [(f"No what-if: {found.note}.",)], code=(0,))
-    today = found.today
-    rows = [
-        (
-            f"recorded under {_settings(found.settings)}: reserved peak"
-            f" {readable_size(found.reserved_peak_bytes)}, allocated peak"
-            f" {readable_size(found.allocated_peak_bytes)}; the replay reproduces both",
-        ),
-        (
-            f"at the allocated peak {readable_size(today.fragmentation_bytes)} were reserved"
-            f" but not allocated; the largest free block was"
-            f" {readable_size(today.largest_free_at_peak_bytes)}",
-        ),
-    ]
-    rows += [(_would(other, found.reserved_peak_bytes),) for other in found.alternatives]
-    kept = (
-        "The segments of the trace's start are kept as they were (allocated again they do"
-        " not reproduce its peaks): each setting is as if changed at the trace's start."
-    )
-    return Section(title, rows, more=kept if found.kept else "", code=(0,))  # never cut
 
 
 def _blocks(record: SnapshotRecord, top: int) -> list[Section | str]:
@@ -321,10 +273,6 @@ def dataframe(record: SnapshotRecord) -> Any:
     return pd.DataFrame(data)
 
 
-def _signed(size: int) -> str:
-    return f"+{readable_size(size)}" if size > 0 else readable_size(size)
-
-
 def diff_text(diff: SnapshotDiffRecord, top: int = 10) -> str:
     """How two snapshots differ::
 
@@ -344,7 +292,7 @@ def diff_text(diff: SnapshotDiffRecord, top: int = 10) -> str:
     totals = Section(
         "",
         [
-            (name, readable_size(b), readable_size(a), _signed(a - b))
+            (name, readable_size(b), readable_size(a), signed(a - b))
             for name, (b, a) in diff.totals.items()
         ],
         header=("", "before", "after", "change"),
@@ -353,7 +301,7 @@ def diff_text(diff: SnapshotDiffRecord, top: int = 10) -> str:
     if diff.sites:
         rows = [
             (
-                _signed(s.change_bytes),
+                signed(s.change_bytes),
                 _where(s.file, s.line),
                 s.function,
                 f"{readable_size(s.before_bytes)} -> {readable_size(s.after_bytes)}",

@@ -300,6 +300,18 @@ def test_gpus_are_named_or_given_as_sizes() -> None:
         capacity("H300")
 
 
+def test_every_capacity_takes_a_gpus_name() -> None:
+    """A step that holds 1 MiB, asked of a GPU by name wherever a capacity is asked for."""
+
+    def step(batch: int) -> None:
+        torch.zeros(batch, 256 * 1024)  # batch MiB
+
+    assert torchmem.estimate(step, 1, device="cpu").fits("H100-80GB")
+    assert torchmem.max_batch_size(step, "H100-80GB", device="cpu") == 81_082
+    with pytest.raises(ValueError, match="or name a GPU"):
+        torchmem.estimate(step, 1, device="cpu").fits("H300")
+
+
 def test_a_capacity_needs_the_batch_first() -> None:
     with pytest.raises(TypeError, match="calls fn with the batch size first"):
         torchmem.advise(lambda: None, device="cpu", capacity="H100-80GB")

@@ -62,7 +62,6 @@ class EstimateCommand(Command):
     def run(self, args: argparse.Namespace) -> int:
         from torchmem.estimator import EstimateError, estimate, max_batch_size
         from torchmem.estimator.advice import advise
-        from torchmem.estimator.gpus import capacity
 
         fn, call_args = self._checked(args)
         started = False
@@ -77,7 +76,7 @@ class EstimateCommand(Command):
             if args.advice:
                 result: Any = advise(called, *call_args, device=args.device, capacity=args.capacity)
             elif args.capacity is not None:
-                found = max_batch_size(called, capacity(args.capacity), device=args.device)
+                found = max_batch_size(called, args.capacity, device=args.device)
                 print(f"largest batch size that fits {args.capacity} on {args.device}: {found}")
                 return 0
             else:

@@ -22,6 +22,7 @@ import torch
 
 from torchmem._compat.fake import data_dependent_operator
 from torchmem.errors import EstimateError, OutOfMemory, UnknownValue
+from torchmem.estimator import gpus
 from torchmem.estimator.allocator import (
     SMALL_BUFFER as SEGMENT_GRANULE,
     CachingAllocator,
@@ -35,7 +36,6 @@ from torchmem.records.estimate import EstimateRecord
 from torchmem.records.run import DeviceRun, ModulePeak
 from torchmem.report import Report
 from torchmem.resolve import parse_device
-from torchmem.units import parse_size
 
 CONTEXT_BYTES = 512 * 2**20
 """The allowance for the CUDA context (the driver's and the kernels' memory, outside the
@@ -87,9 +87,10 @@ class Estimate(EstimateRecord, Report):
     allocation, or ``-(k + 1)`` for the free of the k-th allocation."""
 
     def fits(self, capacity: int | float | str) -> bool:
-        """Whether the step fits in `capacity` (bytes, or a size string like ``"80 GiB"``):
-        whether it is at least :attr:`needed_bytes`."""
-        return parse_size(capacity) >= self.needed_bytes
+        """Whether the step fits in `capacity` (bytes, a size string like ``"80 GiB"``, or
+        a GPU's name of :data:`~torchmem.estimator.gpus.GPUS`, ``"H100-80GB"``): whether
+        it is at least :attr:`needed_bytes`."""
+        return gpus.capacity(capacity) >= self.needed_bytes
 
     @cached_property
     def needed_bytes(self) -> int:
@@ -259,8 +260,8 @@ def max_batch_size(
     **kwargs: Any,
 ) -> int:
     """The largest batch size b for which ``estimate(fn, b, *args, device=device,
-    **kwargs)`` :meth:`~Estimate.fits` `capacity` (bytes or a size string like
-    ``"80 GiB"``); 0 if not even a batch of 1 fits.
+    **kwargs)`` :meth:`~Estimate.fits` `capacity` (bytes, a size string like ``"80 GiB"``,
+    or a GPU's name, ``"H100-80GB"``); 0 if not even a batch of 1 fits.
 
     `fn` takes the batch size first. Memory is assumed to grow with the batch: two
     estimates (batch 1, and 2 or the first doubling whose memory differs) give the bytes
@@ -268,7 +269,7 @@ def max_batch_size(
     around it find the exact batch, so a search costs about ten estimates however large
     the answer.
     """
-    limit = parse_size(capacity)
+    limit = gpus.capacity(capacity)
     _target(device)
     search = _Search(
         lambda batch: estimate(fn, batch, *args, device=device, **kwargs), limit, capacity

@@ -23,6 +23,7 @@ torchmem's is limited to the model and the optimizer (``objects=``).
 from __future__ import annotations
 
 import contextlib
+import gc
 import io
 import warnings
 from collections.abc import Callable, Iterator
@@ -42,7 +43,11 @@ BASE = "torchmem MemReporter().report()"
 
 def memlab() -> ModuleType:
     """pytorch_memlab, imported with the line its import prints on a machine without CUDA
-    silenced; raises ImportError when it is not installed."""
+    silenced; raises ImportError when it is not installed. Garbage is collected first: its
+    reports read every tensor the garbage collector tracks, unreachable ones too, and fail
+    on one whose data cannot be read (a fake tensor left in a cycle by an estimate that
+    raised), so each starts from the live tensors only."""
+    gc.collect()
     with contextlib.redirect_stdout(io.StringIO()):
         import pytorch_memlab
     return pytorch_memlab

@@ -17,7 +17,7 @@ import inspect
 import operator
 import platform
 import types
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterator
 from typing import Any, NoReturn, TypeVar
 
 import torch
@@ -451,3 +451,24 @@ class PlainTensorAccess:
     def __exit__(self, *exc_info: object) -> None:
         while self._entered:
             self._entered.pop().__exit__(None, None, None)
+
+
+_SAVED: dict[type, list[str]] = {}
+"""Per autograd node class, its ``_saved_*`` attributes."""
+
+
+def saved_tensors(node: Any) -> Iterator[torch.Tensor]:
+    """The tensors autograd node `node` (a ``grad_fn``) saved for backward, through its
+    ``_saved_<name>`` attributes (PyTorch's way to inspect them); none that a backward
+    pass freed."""
+    kind = type(node)
+    names = _SAVED.get(kind)
+    if names is None:
+        names = _SAVED[kind] = [n for n in dir(node) if n.startswith("_saved_")]
+    for name in names:
+        try:
+            value = getattr(node, name)
+        except Exception:  # freed by a backward pass, or not a tensor's
+            continue
+        if isinstance(value, torch.Tensor):
+            yield value

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from torchmem._compat import saved_tensors
 from torchmem._objects import tracked
 
 DEPTH = 3
@@ -67,7 +68,6 @@ class _Walk:
         self.seen: set[int] = set()
         self.graphs: list[tuple[str, torch.Tensor]] = []
         self.queue: collections.deque[tuple[object, str, str | None, int]] = collections.deque()
-        self._saved_names: dict[type, list[str]] = {}
 
     def visit(self, value: object, where: str, name: str | None, depth: int) -> None:
         """Look at `value` in its turn (nearer the variables first), which `where` holds
@@ -128,23 +128,11 @@ class _Walk:
                 if node is None or id(node) in nodes:
                     continue
                 nodes.add(id(node))
-                for name in self._names(node):
-                    try:
-                        value = getattr(node, name)
-                    except Exception:  # freed by a backward pass, or not a tensor's
-                        continue
-                    if isinstance(value, torch.Tensor):
-                        ptr = _ptr(value)
-                        if ptr in self.wanted:
-                            self.found.setdefault(ptr, GRAPH + where)
+                for value in saved_tensors(node):
+                    ptr = _ptr(value)
+                    if ptr in self.wanted:
+                        self.found.setdefault(ptr, GRAPH + where)
                 todo.extend(next_node for next_node, _ in node.next_functions)
-
-    def _names(self, node: Any) -> list[str]:
-        kind = type(node)
-        names = self._saved_names.get(kind)
-        if names is None:
-            names = self._saved_names[kind] = [n for n in dir(node) if n.startswith("_saved_")]
-        return names
 
 
 def _inside(hook: Any) -> Iterator[object]:

@@ -49,6 +49,18 @@ def trace_functions_left_as_found() -> Iterator[None]:
 
 
 @pytest.fixture
+def fresh_dynamo() -> Iterator[None]:
+    """torch.compile's caches emptied before and after the test: a compiled graph keeps the
+    fake tensors it was traced with alive, and a later test's tool that reads every live
+    tensor's data (pytorch_memlab's reporter, in the benchmarks) fails on those."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.fixture
 def no_gpu(monkeypatch: pytest.MonkeyPatch) -> CudaStandIn:
     """This process sees no GPU for the test, whatever the machine has."""
     return hide_gpus(monkeypatch)

@@ -344,10 +344,8 @@ def test_dataloader_workers_made_by_fork_run_and_the_meter_keeps_counting(cpu):
 # torch.compile and torch.profiler alongside ----------------------------------------
 
 
+@pytest.mark.usefixtures("fresh_dynamo")
 def test_torch_compile_compiles_inside_a_window_and_fullgraph_works_after(cpu):
-    import torch._dynamo
-
-    torch._dynamo.reset()
     graphs = []
 
     def backend(gm, example_inputs):
@@ -366,10 +364,8 @@ def test_torch_compile_compiles_inside_a_window_and_fullgraph_works_after(cpu):
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("fresh_dynamo")
 def test_inductor_compiled_code_runs_and_its_output_counts(cpu):
-    import torch._dynamo
-
-    torch._dynamo.reset()
     f = torch.compile(lambda x: (x.sin() + 1).cos())
     x = torch.randn(1024)
     used, _, y = change(cpu, lambda: f(x))

@@ -26,13 +26,6 @@ def m():
     return TensorMeter("cpu")
 
 
-@pytest.fixture
-def fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-
-
 def double_sin_plus_one(x):
     return (x * 2).sin() + 1  # two 4 KiB temporaries, one 4 KiB result
 

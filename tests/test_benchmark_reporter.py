@@ -1,12 +1,21 @@
 """The tensor reporter benchmark (case 5) runs, in a tiny configuration, and its sizes are
-exact to the byte. No times asserted."""
+exact to the byte. No times asserted.
 
+Its measures run in a fresh process, as ``python -m benchmarks`` runs them: pytorch_memlab's
+reporter reads every tensor of its process and fails on a fake tensor, and the first
+torch.compile of a process (an earlier test's) leaves hundreds alive for good.
+"""
+
+import contextlib
+import dataclasses
 import importlib.metadata
+import io
 import sys
 
 import pytest
 from benchmarks import cells, lines, meters, peaks, reporter, run as run_command, suite
 
+from standins import call_in_fresh_process_without_gpu
 from torchmem import MemReporter
 
 FLOAT32 = 4
@@ -34,27 +43,56 @@ def true_bytes(name: str) -> int:
     return numel * FLOAT32
 
 
-def test_time_runs_and_tabulates():
-    rows = reporter.measure_time(n=200, repeat=1)
+def measures() -> dict:
+    """The benchmark's times for 200 tensors (and what measuring them printed) and its
+    sizes, with their tables; JSON, made in a fresh process by :func:`measured`."""
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        times = reporter.measure_time(n=200, repeat=1)
+    sizes = reporter.measure_sizes()
+    return {
+        "times": times,
+        "printed": printed.getvalue(),
+        "time_table": reporter.table_time(times),
+        "sizes": [dataclasses.asdict(row) for row in sizes],
+        "size_table": reporter.table_sizes(sizes),
+    }
+
+
+@pytest.fixture(scope="module")
+def measured() -> dict:
+    found = call_in_fresh_process_without_gpu(measures)
+    found["times"] = [tuple(row) for row in found["times"]]
+    found["sizes"] = [
+        reporter.SizeRow(
+            **{**row, "shape": tuple(row["shape"]), "memlab_names": tuple(row["memlab_names"])}
+        )
+        for row in found["sizes"]
+    ]
+    return found
+
+
+def test_time_runs_and_tabulates(measured):
+    rows = measured["times"]
     assert [(case, name) for case, name, _, _ in rows] == [
         ("report 200 live CPU tensors", name) for name in reporter.CONTENDERS
     ]
     assert rows[0][1] == reporter.BASE
     assert rows[0][3] == 1.0
     assert all(median is not None and median > 0 for _, _, median, _ in rows)
-    text = reporter.table_time(rows).splitlines()
+    assert measured["time_table"] == reporter.table_time(rows)
+    text = measured["time_table"].splitlines()
     assert text[0] == TIME_HEADER
     assert len(text) == 2 + len(rows)
     assert [row.split("|")[2].strip() for row in text[2:]] == list(reporter.CONTENDERS)
 
 
-def test_time_prints_nothing(capsys):
-    reporter.measure_time(n=200, repeat=1)
-    assert capsys.readouterr().out == ""
+def test_time_prints_nothing(measured):
+    assert measured["printed"] == ""
 
 
-def test_sizes_are_exact_for_torchmem():
-    rows = reporter.measure_sizes()
+def test_sizes_are_exact_for_torchmem(measured):
+    rows = measured["sizes"]
     assert [row.name for row in rows] == NAMES
     assert {row.name: row.truth for row in rows} == {name: true_bytes(name) for name in NAMES}
     assert rows[0].name == "0.weight"
@@ -72,21 +110,21 @@ def test_rows_carry_torchmems_own_names():
     assert [name for name, _ in reporter.named_tensors(model, opt)] == NAMES
 
 
-def test_size_table_has_a_line_per_row_and_the_total():
-    rows = reporter.measure_sizes()
-    text = reporter.table_sizes(rows).splitlines()
+def test_size_table_has_a_line_per_row_and_the_total(measured):
+    assert measured["size_table"] == reporter.table_sizes(measured["sizes"])
+    text = measured["size_table"].splitlines()
     assert text[0] == SIZE_HEADER
-    assert len(text) == 2 + len(rows) + 1
+    assert len(text) == 2 + len(measured["sizes"]) + 1
     assert [line.split("|")[1].strip() for line in text[2:-1]] == NAMES
     assert text[2].startswith("| 0.weight | (1024, 1024) | 4,194,304 | 4,194,304 | 0 |")
     assert text[-1].startswith("| total of these 20 | | 16,957,616 | 16,957,616 | 0 |")
 
 
-def test_memlab_sizes_as_pytorch_memlab_0_3_2_reports_them():
+def test_memlab_sizes_as_pytorch_memlab_0_3_2_reports_them(measured):
     pytest.importorskip("pytorch_memlab")
     if importlib.metadata.version("pytorch_memlab") != "0.3.2":
         pytest.skip("pytorch_memlab's sizes below are those of its version 0.3.2")
-    rows = {row.name: row for row in reporter.measure_sizes()}
+    rows = {row.name: row for row in measured["sizes"]}
     # untyped_storage().size() is already bytes, times element_size(), rounded up to 512
     assert rows["0.weight"].memlab == 16_777_216
     assert rows["0.weight"].memlab_names == ("0.weight",)

@@ -108,6 +108,17 @@ def test_holders_are_the_tensors_modules_and_optimizers() -> None:
     assert not any(type(o) in (dict, list, Marker) for o in holders())
 
 
+def test_holders_leave_out_fake_tensors_which_hold_no_memory() -> None:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        fake = torch.zeros(1024, 1024)
+    real = torch.zeros(1)
+    assert id(fake) in set(map(id, tracked(torch.Tensor)))
+    ids = set(map(id, holders()))
+    assert id(real) in ids and id(fake) not in ids
+
+
 def test_a_walk_of_every_object_never_shares_a_tuple_another_thread_is_building() -> None:
     """A walk that held ``gc.get_objects()`` across a bytecode broke the builder's tuple
     (``SystemError: Objects/tupleobject.c: bad argument to internal function``) on the

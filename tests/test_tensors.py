@@ -584,6 +584,32 @@ def test_the_scan_skips_objects_it_cannot_read() -> None:
     assert all(isinstance(r, TensorRecord) for r in MemReporter(pre_collect=True).snapshot())
 
 
+def compile_then_report() -> list:
+    """Live fake tensors after a first torch.compile (inductor, a cold cache) and its
+    caches' reset, and the kinds of tensor the default report lists then."""
+    import gc
+    import os
+    import tempfile
+
+    import torch._dynamo
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp()
+    model = torch.nn.Linear(4, 4)
+    torch.compile(model)(torch.randn(2, 4)).sum().backward()
+    torch._dynamo.reset()
+    gc.collect()
+    fakes = sum(type(o) is FakeTensor for o in gc.get_objects())
+    return [fakes, sorted({record.kind for record in MemReporter().snapshot()})]
+
+
+@pytest.mark.slow
+def test_the_fake_tensors_torch_compile_keeps_alive_are_not_reported() -> None:
+    fakes, kinds = call_in_fresh_process_without_gpu(compile_then_report)
+    assert fakes > 100  # its pattern matcher's examples, kept for the process's life
+    assert "Parameter" in kinds and "FakeTensor" not in kinds
+
+
 def test_cuda_totals_come_from_memory_allocated(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

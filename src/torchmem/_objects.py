@@ -11,6 +11,8 @@ from typing import cast
 
 import torch
 
+from torchmem._compat.fake import FakeTensor
+
 
 class _Verdicts(dict[type, bool]):
     """`wanted`'s answer for each class, asked on the first look-up of that class only."""
@@ -75,7 +77,12 @@ def tracked(*bases: type) -> list[object]:
     consuming a chain of C iterators, with automatic collection off: no Python code runs
     while it is held, and the GIL is not released. Only the chosen objects come out.
     """
-    wanted = frozenset(map(id, subclasses(*bases)))  # ints: hashing a class may run Python
+    return _tracked(subclasses(*bases))
+
+
+def _tracked(kinds: frozenset[type]) -> list[object]:
+    """:func:`tracked` for the classes `kinds` exactly."""
+    wanted = frozenset(map(id, kinds))  # ints: hashing a class may run Python
     collecting = gc.isenabled()
     gc.disable()
     try:
@@ -87,8 +94,13 @@ def tracked(*bases: type) -> list[object]:
 
 def holders() -> list[object]:
     """The tensors, modules and optimizers the garbage collector tracks (:func:`tracked`):
-    the default objects that reports of live tensors look among."""
-    return tracked(torch.Tensor, torch.nn.Module, torch.optim.Optimizer)
+    the default objects that reports of live tensors look among.
+
+    Fake tensors are left out: they hold no memory (their storage is on ``meta``, whatever
+    device they name), and torch.compile keeps hundreds alive for the rest of the process
+    (the examples its pattern matcher traced on its first compilation)."""
+    kinds = subclasses(torch.Tensor, torch.nn.Module, torch.optim.Optimizer)
+    return _tracked(kinds - subclasses(FakeTensor))
 
 
 def _walk(wanted: frozenset[int]) -> Iterator[object]:

@@ -341,6 +341,16 @@ def test_an_unknown_target_is_named() -> None:
         Courtesy("model")
 
 
+def test_a_torch_func_wrapper_left_alive_is_skipped() -> None:
+    kept = []
+    torch.func.grad(lambda x: (kept.append(x), (x * 2).sum())[1])(torch.ones(3))
+    plain = torch.ones(2)
+    courtesy = Courtesy([kept[0], plain], device="cpu", to="cpu")
+    assert courtesy.yield_memory() == 8
+    courtesy.restore()
+    assert Courtesy(device="cpu", to="cpu").yield_memory() >= 8  # the default scan, too
+
+
 def test_tensor_subclasses_with_their_own_dispatch_are_skipped() -> None:
     from torch._subclasses.fake_tensor import FakeTensorMode
 

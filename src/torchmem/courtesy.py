@@ -218,7 +218,19 @@ def _movable(tensor: torch.Tensor, source: torch.device) -> bool:
         and not tensor.is_nested
         and not tensor.is_inference()
         and _same_device(tensor.device, source)
+        and _has_storage(tensor)
     )
+
+
+def _has_storage(tensor: torch.Tensor) -> bool:
+    """False for a torch.func wrapper (``grad``, ``vmap``), which has none: even one its
+    transform has ended keeps failing to give one, and an exception raised inside the
+    transform keeps such wrappers alive with its frames."""
+    try:
+        tensor.untyped_storage()
+    except (NotImplementedError, RuntimeError):
+        return False
+    return True
 
 
 def _by_storage(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import weakref
+from unittest.mock import ANY
 
 import pytest
 import torch
@@ -24,7 +25,7 @@ import torchmem
 from standins import KiB, MiB
 from torchmem.meters import meter
 from torchmem.records.frames import BACKWARD
-from torchmem.records.run import CATEGORIES, DeviceRun, ModulePeak, Phase, RunRecord, Site
+from torchmem.records.run import CATEGORIES, DeviceRun, Held, ModulePeak, Phase, RunRecord, Site
 
 pytestmark = pytest.mark.skipif(
     getattr(meter("cpu"), "backend", "") != "allocator",
@@ -99,12 +100,17 @@ def test_the_line_that_allocated_the_peak_is_the_top_site() -> None:
     assert cpu.largest_at_peak[0].site == f"{__file__}:{line}"
 
 
-def test_a_tensor_alive_at_the_end_is_named_after_its_variable() -> None:
+def test_a_tensor_alive_at_the_end_is_named_after_its_variable_with_its_shape() -> None:
+    model = torch.nn.Linear(1024, 512)
     with record() as rec:
         survivor = torch.zeros(MiB)
-    held = rec.report().devices["cpu"].largest_at_peak[0]
-    assert (held.name, held.bytes, held.category) == ("survivor", 4 * MiB, "other")
-    del survivor
+        out = model(torch.randn(8, 64, 1024))  # a view of mm's output, saved by nothing
+        part = torch.zeros(3, MiB // 2)[1]  # a view of part of its storage
+    held = {h.name: h for h in rec.report().devices["cpu"].largest_at_peak}
+    assert held["survivor"] == Held("survivor", 4 * MiB, "other", (MiB,), "torch.float32", ANY)
+    assert held["out"] == Held("out", 1 * MiB, "other", (8, 64, 512), "torch.float32", ANY)
+    assert held["part"] == Held("part", 6 * MiB, "other", None, None, ANY)
+    del survivor, out, part
 
 
 def test_backward_allocations_are_named_backward_with_the_line_in_their_stack() -> None:

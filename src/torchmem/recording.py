@@ -20,7 +20,7 @@ from torchmem.events.analysis import Names, device_run, laps_run, module_peaks
 from torchmem.events.growth import Kept, growth, kept, step_records
 from torchmem.events.holders import holders
 from torchmem.events.hooks import Watcher
-from torchmem.events.notes import Notes
+from torchmem.events.notes import Notes, Variable
 from torchmem.events.sources import CpuLog, CudaLog, Laps, Tallied
 from torchmem.meters import Meter, meter
 from torchmem.meters.ram import RamMeter
@@ -56,7 +56,7 @@ class Recording:
         self._laps: list[Laps] = []
         self._ram_kept: Callable[[], bool] | None = None
         self._logs: list[Tallied] = []
-        self._variables: dict[int, str] = {}
+        self._variables: dict[int, Variable] = {}
         self._kept: dict[str, Kept | None] = {}
         self._held: dict[int, str] = {}
         self._started = self._stopped = 0
@@ -395,16 +395,23 @@ def record(device: DeviceLike | None = None, *, sites: bool = True) -> Recording
     return Recording(device, sites=sites)
 
 
-def _variables(namespace: Mapping[str, object]) -> dict[int, str]:
-    found: dict[int, str] = {}
+def _variables(namespace: Mapping[str, object]) -> dict[int, Variable]:
+    found: dict[int, Variable] = {}
     for name, value in namespace.items():
         if isinstance(value, torch.Tensor) and not name.startswith("_"):
             try:
-                ptr = value.untyped_storage().data_ptr()
+                storage = value.untyped_storage()
+                ptr = storage.data_ptr()
+                whole = (
+                    value.storage_offset() == 0
+                    and value.numel() * value.element_size() == storage.nbytes()
+                )
             except Exception:  # no storage
                 continue
-            if ptr:
-                found.setdefault(ptr, name)
+            if ptr and ptr not in found:
+                # A view of part of its storage does not give the allocation's shape.
+                shape, dtype = (tuple(value.shape), str(value.dtype)) if whole else (None, None)
+                found[ptr] = Variable(name, shape, dtype)
     return found
 
 

@@ -30,6 +30,7 @@ from torchmem.estimator.allocator import (
 )
 from torchmem.estimator.fake import FakeRun, run_fake
 from torchmem.events.analysis import Names, device_run, module_peaks
+from torchmem.events.notes import Variable
 from torchmem.events.sources import NO_SITE, Log
 from torchmem.records import TOP
 from torchmem.records.estimate import EstimateRecord
@@ -207,10 +208,10 @@ def _tallied(
     module's peak."""
     names = Names(fake.watcher)
     variables = {
-        -1: "cuBLAS workspace (forward)",
-        -2: "cuBLAS workspace (backward)",
-        -3: "cuBLASLt workspace (forward)",
-        -4: "cuBLASLt workspace (backward)",
+        -1: Variable("cuBLAS workspace (forward)", None, None),
+        -2: Variable("cuBLAS workspace (backward)", None, None),
+        -3: Variable("cuBLASLt workspace (forward)", None, None),
+        -4: Variable("cuBLASLt workspace (backward)", None, None),
     }
     found = log.tally(fake.watcher.notes, every_device=True)
     run = device_run(found, fake.stop, names, fake.watcher.names, variables, TOP)

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from torchmem.events.hooks import Watcher
-from torchmem.events.notes import NameTable
+from torchmem.events.notes import NameTable, Variable
 from torchmem.events.sources import NO_SITE, Laps, Tallied
 from torchmem.events.table import Table
 from torchmem.events.tally import UNNAMED, Tally
@@ -39,7 +39,7 @@ def device_run(
     stop: int,
     namer: Names,
     table: NameTable,
-    variables: dict[int, str],
+    variables: dict[int, Variable],
     top: int,
 ) -> DeviceRun:
     """The record of one device with an event log.
@@ -48,7 +48,7 @@ def device_run(
         stop: ``time.monotonic_ns()`` when the recording stopped.
         namer: turns a mark's name into a name (None: no name), and names backward passes.
         table: the names the marks gave, by index.
-        variables: address -> name of a variable holding that storage at the end.
+        variables: address -> the variable holding that storage at the end.
         top: how many of the largest allocations to list (every site is kept).
     """
     tally = found.tally
@@ -123,7 +123,7 @@ def _largest(
     found: Tallied,
     namer: Names,
     table: NameTable,
-    variables: dict[int, str],
+    variables: dict[int, Variable],
     top: int,
 ) -> tuple[tuple[Held, ...], tuple[int, int]]:
     """The `top` largest allocations alive at the peak, and ``(count, bytes)`` of the
@@ -150,12 +150,17 @@ def _largest(
         where = None
         if key is not None and key[0] != NO_PYTHON:
             where = located(key[0], key[1])
-        name = namer(entry[0]) if entry is not None else None
-        if name is None and int(records.key[i]) in alive:
-            name = variables.get(ptr)
+        name, shape, dtype = None, None, None
+        if entry is not None:
+            name, shape, dtype = namer(entry[0]), entry[1], entry[2]
+        if name is None and int(records.key[i]) in alive and ptr in variables:
+            variable = variables[ptr]
+            name = variable.name
+            if entry is None:
+                shape, dtype = variable.shape, variable.dtype
         if name is None:
             name = f"Tensor@{os.path.basename(where)}" if where else "Tensor"
-        held.append(_held(name, size, category, entry, where))
+        held.append(Held(name, size, category, shape, dtype, where))
     held.sort(key=lambda h: h.bytes, reverse=True)
     return tuple(held), others
 

@@ -1,6 +1,7 @@
 """What the watcher notes down, kept without holding the program's objects: the names
-marks give (:class:`NameTable`), a root module's names (:class:`Tree`), and marks and
-probes for a stream made later (:class:`Notes`)."""
+marks give (:class:`NameTable`), the variables that name storages at the end
+(:class:`Variable`), a root module's names (:class:`Tree`), and marks and probes for a
+stream made later (:class:`Notes`)."""
 
 from __future__ import annotations
 
@@ -34,6 +35,16 @@ class NameTable:
             index = self._index[entry] = len(self.entries)
             self.entries.append(entry)
         return index
+
+
+class Variable(NamedTuple):
+    """A variable of the recorded code holding a storage at the end, which names it."""
+
+    name: str
+    shape: tuple[int, ...] | None
+    """The tensor's shape, where it spans its whole storage (None: a view of part)."""
+    dtype: str | None
+    """``str()`` of its dtype, where :attr:`shape` is known."""
 
 
 class Tree(NamedTuple):

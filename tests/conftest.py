@@ -4,6 +4,7 @@ stand-ins for ``torch.cuda`` and NVML live in :mod:`standins`."""
 from __future__ import annotations
 
 import gc
+import signal
 import sys
 import threading
 from collections.abc import Iterator
@@ -18,6 +19,14 @@ pytest_plugins = ("pytester",)  # the pytest plugin's tests run pytest
 
 if TYPE_CHECKING:
     from IPython.core.interactiveshell import InteractiveShell
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Python's Ctrl-C handler, where this process started with SIGINT ignored (a shell
+    without job control starts background commands so), which its children would inherit:
+    the tests that press Ctrl-C in a child need it to be heard there."""
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -16,14 +16,15 @@ import torch
 from torch import nn
 
 import torchmem
-from standins import MiB
-from torchmem.events.analysis import Names, device_run
+from standins import MiB, call_in_fresh_process_without_gpu
+from torchmem.events.analysis import BEFORE, Names, device_run
 from torchmem.events.hooks import Watcher
 from torchmem.events.notes import Notes, Tree
 from torchmem.events.sources import Log, cuda_events
 from torchmem.events.tally import CLOSE, HIT, OPEN
 from torchmem.meters import CpuAllocatorMeter, meter
 from torchmem.meters.native import CpuAllocatorLibrary
+from torchmem.records import frames
 from torchmem.records.frames import (
     BACKWARD,
     ENGINE,
@@ -338,6 +339,58 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.attn(x)  # type: ignore[no-any-return]
+
+
+@pytest.fixture
+def moved_inductor_cache(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[str]:
+    """A ``TORCHINDUCTOR_CACHE_DIR`` away from its default, read by the rule afresh."""
+    folder = str(tmp_path / "compiled")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", folder)
+    caches = (frames.pattern, frames._inductor_cache, frames.kind)
+    for cache in caches:
+        cache.cache_clear()
+    yield folder
+    for cache in caches:
+        cache.cache_clear()
+
+
+def walked_kind(file: str, function: str) -> int:
+    """What the CPU allocator's walk says a frame of `file` running `function` is."""
+    namespace = {"library": cpu_library()}
+    exec(compile("def probe():\n    return library.check_walk()\n", file, "exec"), namespace)
+    probe = namespace["probe"]
+    probe.__code__ = probe.__code__.replace(co_name=function, co_qualname=function)  # type: ignore[attr-defined]
+    return probe()[1][3]  # type: ignore[operator, no-any-return]
+
+
+def test_compiled_code_is_passed_over_where_its_cache_folder_is_moved(
+    moved_inductor_cache: str,
+) -> None:
+    generated = os.path.join(moved_inductor_cache, "ab", "cabcdef.py")
+    beside = os.path.join(os.path.dirname(moved_inductor_cache), "compiled.py")
+    assert (kind(generated, "call"), kind(beside, "f")) == (OTHER, USER)
+    if getattr(meter("cpu"), "backend", "") == "allocator":
+        assert (walked_kind(generated, "call"), walked_kind(beside, "f")) == (OTHER, USER)
+
+
+def compiled_sites() -> list[str]:
+    """The files of the sites of a compiled module's training step."""
+    model = torch.compile(nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 256)))
+    x = torch.randn(64, 256)
+    model(x).sum().backward()  # compiled before the recording: its sites are the steps'
+    with torchmem.record("cpu") as rec:
+        model(x).sum().backward()
+    return [site.file for site in rec.report().devices["cpu"].sites_at_peak]
+
+
+@pytest.mark.slow
+def test_a_compiled_steps_sites_are_the_users_lines_and_backward(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    folder = str(tmp_path / "compiled")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", folder)  # the process is started with it
+    files = call_in_fresh_process_without_gpu(compiled_sites)
+    assert sorted(files) == sorted([BEFORE, f"{BACKWARD} of OptimizedModule", __file__])
 
 
 @needs_allocator

@@ -1,21 +1,22 @@
 """The one rule for "the user's own line": which frame of a stack names an allocation.
 
 A site is the innermost frame of the user's own code. Frames of PyTorch, torchmem,
-Python's standard library, generated code (``torch.compile``'s inductor files, FX's
-``<eval_with_key>.N``, ``<string>``, frozen modules) and installed packages
-(``site-packages``, ``dist-packages``, this interpreter's ``purelib``/``platlib``) are
-passed over while a frame of the user's code is further out. Where the stack holds none,
-the innermost installed package's frame names it, else the innermost Python frame of any
-kind. C++ frames never do. An allocation made by autograd's engine (inside its entry
-point before any user frame, or with only C++ frames on the engine's thread) is named
-:data:`BACKWARD`; a recording that knows which module's backward ran names it further.
+Python's standard library, generated code (``torch.compile``'s inductor files, wherever
+``TORCHINDUCTOR_CACHE_DIR`` puts them, FX's ``<eval_with_key>.N``, ``<string>``, frozen
+modules) and installed packages (``site-packages``, ``dist-packages``, this interpreter's
+``purelib``/``platlib``) are passed over while a frame of the user's code is further
+out. Where the stack holds none, the innermost installed package's frame names it, else
+the innermost Python frame of any kind. C++ frames never do. An allocation made by
+autograd's engine (inside its entry point before any user frame, or with only C++ frames
+on the engine's thread) is named :data:`BACKWARD`; a recording that knows which module's
+backward ran names it further.
 
 Every place that names sites uses this rule: the CPU allocator's log (its C++ side, which
 reads a thread's stack without the GIL, has the rule written out in C++, given
 :func:`prefixes`; tests and the library's load check it against :func:`pattern`), the CUDA
 allocator history, memory snapshots and the estimator. The rule reads file
 paths only (a snapshot may come from another machine), plus this interpreter's own
-installation paths.
+installation paths and this process's ``TORCHINDUCTOR_CACHE_DIR``.
 """
 
 from __future__ import annotations
@@ -67,11 +68,27 @@ STDLIB = ("stdlib", "platstdlib")
 INSTALLED = ("purelib", "platlib")
 
 
+def other_prefixes() -> list[str]:
+    """The paths whose code is never a site while the user's is in the stack: the standard
+    library's (:data:`STDLIB`), and the folder of torch.compile's generated code where
+    ``TORCHINDUCTOR_CACHE_DIR`` moves it (its default, ``torchinductor_<user>``, is known by
+    its name)."""
+    return sorted({*prefixes(STDLIB), *_inductor_cache()})
+
+
+@functools.cache
+def _inductor_cache() -> tuple[str, ...]:
+    moved = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    return (os.path.join(os.path.abspath(moved), ""),) if moved else ()
+
+
 def rule_paths() -> tuple[bytes, bytes]:
-    """:func:`prefixes` of :data:`STDLIB` and of :data:`INSTALLED`, a path a line: what the
-    CPU allocator's copy of the rule reads."""
-    stdlib, installed = ("\n".join(prefixes(n)).encode() for n in (STDLIB, INSTALLED))
-    return stdlib, installed
+    """:func:`other_prefixes` and :func:`prefixes` of :data:`INSTALLED`, a path a line: what
+    the CPU allocator's copy of the rule reads."""
+    other, installed = (
+        "\n".join(paths).encode() for paths in (other_prefixes(), prefixes(INSTALLED))
+    )
+    return other, installed
 
 
 def python_stack(frame: FrameType | None) -> list[tuple[str, int, str, int]]:
@@ -98,7 +115,7 @@ def pattern() -> re.Pattern[str]:
     is never a site while the user's is in the stack, group 3 an installed package. The
     first alternative that matches decides; none is the user's code."""
     other = [
-        *(re.escape(p) + r"(?!site-|dist-)" for p in prefixes(STDLIB)),
+        *(re.escape(p) + r"(?!site-|dist-)" for p in other_prefixes()),
         _LINE + _SEP + r"(?:torch|torchmem|torchinductor_[^/\\\n]*)" + _SEP,
         _LINE + _SEP + r"lib" + _SEP + r"(?:python|pypy)3\.\d+" + _SEP + r"(?!site-|dist-)",
         _LINE + r"\\Lib\\(?!site-)",

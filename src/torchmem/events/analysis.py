@@ -142,17 +142,16 @@ def _largest(
         size, ptr, name_at = int(records.size[i]), int(records.ptr[i]), int(records.name[i])
         entry = table.entries[name_at] if name_at != UNNAMED else None
         category = CATEGORIES[int(records.cat[i])]
+        name, shape, dtype = None, None, None
+        if entry is not None:
+            name, shape, dtype = namer(entry[0]), entry[1], entry[2]
         if records.born[i] < 0:
-            before = (namer(entry[0]) if entry else None) or "Tensor"
-            held.append(_held(before, size, category, entry, BEFORE))
+            held.append(Held(name or "Tensor", size, category, shape, dtype, BEFORE))
             continue
         key = _key(found, int(records.site[i]), int(records.owner[i]), namer)
         where = None
         if key is not None and key[0] != NO_PYTHON:
             where = located(key[0], key[1])
-        name, shape, dtype = None, None, None
-        if entry is not None:
-            name, shape, dtype = namer(entry[0]), entry[1], entry[2]
         if name is None and int(records.key[i]) in alive and ptr in variables:
             variable = variables[ptr]
             name = variable.name
@@ -163,14 +162,6 @@ def _largest(
         held.append(Held(name, size, category, shape, dtype, where))
     held.sort(key=lambda h: h.bytes, reverse=True)
     return tuple(held), others
-
-
-def _held(
-    name: str, size: int, category: str, entry: tuple[Any, ...] | None, where: str | None
-) -> Held:
-    if entry is None:
-        return Held(name, size, category, site=where)
-    return Held(name, size, category, entry[1], entry[2], where)
 
 
 def laps_run(laps: Laps) -> DeviceRun:

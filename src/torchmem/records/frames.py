@@ -13,7 +13,7 @@ backward ran names it further.
 
 Every place that names sites uses this rule: the CPU allocator's log (its C++ side, which
 reads a thread's stack without the GIL, has the rule written out in C++, given
-:func:`prefixes`; tests and the library's load check it against :func:`pattern`), the CUDA
+:func:`rule_paths`; tests and the library's load check it against :func:`pattern`), the CUDA
 allocator history, memory snapshots and the estimator. The rule reads file
 paths only (a snapshot may come from another machine), plus this interpreter's own
 installation paths and this process's ``TORCHINDUCTOR_CACHE_DIR``.

@@ -495,6 +495,18 @@ def test_a_forked_child_records_nothing() -> None:
     assert done.stdout == "0\n"
 
 
+def test_recordings_share_one_stream_and_one_fork_handler() -> None:
+    """Each recording made a new stream, whose fork handler (never removed) kept it alive:
+    3,000 recordings left 3,000 handlers that ran at every fork."""
+    from torchmem.events.sources import CpuStream
+
+    for _ in range(3_000):
+        with torchmem.record("cpu"):
+            pass
+    gc.collect()
+    assert sum(type(o) is CpuStream for o in gc.get_objects()) == 1
+
+
 @pytest.mark.filterwarnings("ignore:Using `torch.compile\\(module\\)` when there are global hooks")
 def test_a_compiled_module_runs_under_the_hooks() -> None:
     """Dynamo must not trace torchmem's global hooks (it failed on them)."""

@@ -281,6 +281,17 @@ class CpuStream:
 
 
 _streams: dict[int, CpuStream] = {}
+_streams_lock = threading.Lock()
+
+
+def _stream_of(library: CpuAllocatorLibrary) -> CpuStream:
+    """The one stream of `library`: made at its first recording, so that the process has
+    one fork handler for it however many recordings run."""
+    with _streams_lock:
+        stream = _streams.get(id(library))
+        if stream is None:
+            stream = _streams[id(library)] = CpuStream(library)
+        return stream
 
 
 class CpuLog:
@@ -297,7 +308,7 @@ class CpuLog:
         self.sites = sites
         self.stream: CpuStream | None = None
         if isinstance(cpu, CpuAllocatorMeter):
-            self.stream = _streams.setdefault(id(cpu.library), CpuStream(cpu.library))
+            self.stream = _stream_of(cpu.library)
         self._tally: Tally | None = None
         self._dropped = 0
 

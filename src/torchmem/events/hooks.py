@@ -34,6 +34,7 @@ from torch.optim.optimizer import (
 from torch.utils.hooks import RemovableHandle
 
 from torchmem._compat import (
+    autograd,
     disable_dynamo,
     keep_dynamo_out,
     own_parameters,
@@ -115,7 +116,7 @@ class Watcher:
         self._hooks = [
             _eager_only(h) for h in (self._forward_pre, self._forward, self._step_pre, self._step)
         ]
-        self._saved_hooks = (_opaque(self._pack), _opaque(_unpack))
+        self._saved_hooks = (_opaque(self._pack), _opaque(autograd.unpack))
         self._accumulated_hook = _opaque(self._accumulated)
 
     # Installing ------------------------------------------------------------------------
@@ -359,13 +360,11 @@ class Watcher:
         self._probe(STEP_ROW, id(optimizer), 0, 0)  # a row of the stream: where a step ends
         self._mark_optimizer(optimizer, grads=False)
 
-    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+    def _pack(self, tensor: torch.Tensor) -> autograd.Saved:
         stack = getattr(self._local, "stack", None)
         self.mark(tensor, ACTIVATIONS, ("saved", stack[-1][0]) if stack else None)
-        # Not the tensor itself: a saved output (relu's, softmax's) would then hold its own
-        # graph, a cycle through C++ that gc cannot break, and a forward pass without a
-        # backward pass would never be freed. A detached alias shares storage and version.
-        return tensor.detach()
+        # Autograd's in-place check is ours to make now that hooks are set (unpack).
+        return autograd.pack(tensor)
 
     def _found_root(self, module: torch.nn.Module) -> None:
         """`module` is a root: its tree is taken now, in case it dies before the end."""
@@ -435,10 +434,6 @@ def _eager_only(hook: Callable[..., Any]) -> Callable[..., Any]:
 
 def _data_ptr(tensor: torch.Tensor) -> int:
     return tensor.untyped_storage().data_ptr()
-
-
-def _unpack(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor
 
 
 class _Backward:

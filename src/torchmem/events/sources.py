@@ -194,9 +194,8 @@ class CpuStream:
             fresh = not self.tallies  # (a nested recording's first row may be row 0 too)
             first = self.library.record_start(sites)
             if fresh:
-                self._taken = 0
                 self.sites, self.names, self._engine = {}, NameTable(), {NO_PYTHON_SITE}
-                self._next_site = 0
+                self._taken, self._next_site = 0, 0
                 self._halt.clear()
                 self._thread = background_thread(self._run, "torchmem-log")
                 self._thread.start()
@@ -275,23 +274,11 @@ class CpuStream:
 
     def _forget(self) -> None:
         """In a child made by fork: no recording, no thread, a free lock."""
-        self.tallies = []
-        self._thread = None
-        self._lock = threading.Lock()
+        self.tallies, self._thread, self._lock = [], None, threading.Lock()
 
 
 _streams: dict[int, CpuStream] = {}
 _streams_lock = threading.Lock()
-
-
-def _stream_of(library: CpuAllocatorLibrary) -> CpuStream:
-    """The one stream of `library`: made at its first recording, so that the process has
-    one fork handler for it however many recordings run."""
-    with _streams_lock:
-        stream = _streams.get(id(library))
-        if stream is None:
-            stream = _streams[id(library)] = CpuStream(library)
-        return stream
 
 
 class CpuLog:
@@ -308,7 +295,9 @@ class CpuLog:
         self.sites = sites
         self.stream: CpuStream | None = None
         if isinstance(cpu, CpuAllocatorMeter):
-            self.stream = _stream_of(cpu.library)
+            with _streams_lock:  # one per library: a stream's fork handler is for good
+                stream = _streams.get(id(cpu.library)) or CpuStream(cpu.library)
+                self.stream = _streams[id(cpu.library)] = stream
         self._tally: Tally | None = None
         self._dropped = 0
 

@@ -730,10 +730,22 @@ def test_torch_func_runs_in_a_limited_test(
             w, x = torch.randn(256, 256), torch.randn(64, 1, 256)
             grads = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0))(w, x)
             assert grads.shape == (64, 256, 256)
+
+        @pytest.mark.limit_leaks("64 MB", device="cpu")
+        def test_per_sample_gradients_of_a_module():
+            model = torch.nn.Linear(256, 1)
+            params = {k: v.detach() for k, v in model.named_parameters()}
+
+            def loss(p, x):
+                return torch.func.functional_call(model, p, (x,)).sum()
+
+            x = torch.randn(64, 1, 256)
+            grads = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0))(params, x)
+            assert grads["weight"].shape == (64, 1, 256)
         """
     )
     result = run(pytester, "--torchmem")
-    result.assert_outcomes(passed=1)
+    result.assert_outcomes(passed=2)
 
 
 XFAIL = """

@@ -582,6 +582,46 @@ def test_torch_func_transforms_run_and_ordinary_activations_are_still_seen() -> 
     assert saved_hooks_on_this_thread() == []
 
 
+def test_torch_func_with_modules_computes_as_without_a_recording() -> None:
+    """functional_call (per-sample gradients) and stack_module_state (an ensemble) of
+    modules: the watcher asked torch.func's tensors, which have no storage, for their data
+    pointer and failed. The module called as usual afterwards is still categorised."""
+    from torch.func import functional_call, grad, stack_module_state, vmap
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1))
+    members = [nn.Linear(64, 4) for _ in range(3)]
+    x = torch.randn(5, 64)
+
+    def run() -> list[torch.Tensor]:
+        params = {k: v.detach() for k, v in model.named_parameters()}
+
+        def loss(p: dict[str, torch.Tensor], xi: torch.Tensor) -> torch.Tensor:
+            return functional_call(model, p, (xi.unsqueeze(0),)).sum()
+
+        per_sample = vmap(grad(loss), in_dims=(None, 0))(params, x)
+        stacked, buffers = stack_module_state(members)  # type: ignore[arg-type]
+
+        def member(p: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> torch.Tensor:
+            return functional_call(members[0], (p, b), (x,))
+
+        return [
+            *per_sample.values(),
+            *grad(loss)(params, x[0]).values(),
+            vmap(member)(stacked, buffers),
+        ]
+
+    plain = run()
+    with record() as rec:
+        measured = run()
+        model(x).sum().backward()
+    assert all(torch.equal(a, b) for a, b in zip(plain, measured, strict=True))
+    end = rec.report().devices["cpu"].categories_at_end
+    assert end is not None
+    # model's (64 * 64 + 64 + 64 + 1) floats, and the members' 3 * (64 * 4 + 4) floats.
+    assert (end["parameters"], end["gradients"]) == (16_900 + 3_120, 16_900)
+
+
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
 def test_a_torch_func_transform_compiled_whole_inside_a_recording_runs(backend: str) -> None:
     # Before, Dynamo met our replacement of disable_saved_tensors_hooks, which it could not

@@ -241,11 +241,14 @@ class Watcher:
     def _mark_parameters(self, module: torch.nn.Module) -> None:
         params = own_parameters(module)
         # Marked again only where a parameter or gradient is not where it was last time.
-        where = tuple(
-            (self._where(p), -1 if p.grad is None else self._where(p.grad))
-            for p in params.values()
-            if p is not None
-        )
+        try:
+            where = tuple(
+                (self._where(p), -1 if p.grad is None else self._where(p.grad))
+                for p in params.values()
+                if p is not None
+            )
+        except RuntimeError:  # no storage to see: torch.func's tensors (functional_call)
+            return
         if self._marked.get(id(module)) == where:
             return
         self._marked[id(module)] = where
@@ -267,7 +270,10 @@ class Watcher:
             for key, value in values.items()
             if isinstance(value, torch.Tensor)
         ]
-        where = tuple(self._where(value) for _, _, value in state)
+        try:
+            where = tuple(self._where(value) for _, _, value in state)
+        except RuntimeError:  # no storage to see: torch.func's tensors
+            return
         if self._marked.get(id(optimizer)) == where:
             return
         self._marked[id(optimizer)] = where

@@ -143,10 +143,44 @@ def test_activations_are_the_tensors_autograd_saved() -> None:
         "parameters": 4 * MiB,
         "gradients": 0,
         "optimizer_state": 0,
+        "buffers": 0,
         "activations": 4 * MiB,
         "other": earlier + 12 * MiB,
     }
     del out
+
+
+class Rotary(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(1024, 256)
+        self.norm = nn.BatchNorm1d(256)
+        self.register_buffer("inv_freq", torch.ones(256), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.linear(x)) * self.inv_freq
+
+
+def test_buffers_are_a_category_of_their_own() -> None:
+    """BatchNorm's running statistics counted as activations (batch_norm saves them for
+    backward), its step counter and a rotary embedding's ``inv_freq`` as other."""
+    torch.manual_seed(0)
+    model = Rotary()
+    with record() as rec:
+        model(torch.randn(64, 1024)).sum().backward()
+    cpu = rec.report().devices["cpu"]
+    assert cpu.categories_at_peak is not None and cpu.categories_at_end is not None
+    # running mean and variance and inv_freq (3 x 256 float32), num_batches_tracked (int64)
+    assert cpu.categories_at_peak["buffers"] == cpu.categories_at_end["buffers"] == 3 * 1024 + 8
+
+
+def test_an_estimate_counts_buffers_as_buffers() -> None:
+    def step(batch: int) -> None:
+        model = Rotary()  # alive until the step returns, as its buffers
+        model(torch.randn(batch, 1024)).sum().backward()
+
+    estimate = torchmem.estimate(step, 64, device="cpu")
+    assert estimate.categories["buffers"] == 3 * 1024 + 8
 
 
 def test_module_forward_peaks_are_exact() -> None:

@@ -27,7 +27,7 @@ from torchmem.events.tally import (
     WINDOW,
     Tally,
 )
-from torchmem.events.timeline import FINE
+from torchmem.events.timeline import FINE, KNOWN
 
 BASE = 1200
 """Two storages adopted at the start (300 B each), two later (100 B each), 400 B hidden."""
@@ -73,7 +73,7 @@ def random_stream(seed: int, steps: int) -> np.ndarray:
                 row(address, -sizes[address], -1, live.pop(address), FREE)
             else:
                 address = rng.choice(sorted(live))
-                payload = rng.randint(0, 5) << 3 | rng.randint(0, 3)
+                payload = rng.randint(0, 5) << 3 | rng.randint(0, KNOWN - 1)
                 row(address, 0, payload, live[address], MARK)
         row(probe, 0, module, 0, CLOSE)
         if rng.random() < 0.5:  # a backward pass, with hits, then some use, then its close
@@ -103,7 +103,7 @@ def brute_force(rows: np.ndarray) -> dict[str, object]:
             adopted[ref] = i
     known = sum(int(rows[key, 2]) for key in adopted)
     current, peak = BASE, BASE
-    category = {key: 4 for key in adopted}
+    category = {key: KNOWN for key in adopted}  # other
     alive: dict[int, int] = {key: int(rows[key, 2]) for key in adopted}
     made: set[int] = set()
     at_peak = set(adopted)
@@ -117,7 +117,7 @@ def brute_force(rows: np.ndarray) -> dict[str, object]:
     lives = []  # after each row: the allocations alive
     for i, (_, ptr, size, site, ref, kind) in enumerate(rows.tolist()):
         if kind == ALLOC:
-            alive[i], category[i] = size, 4
+            alive[i], category[i] = size, KNOWN
             made.add(i)
             current += size
         elif kind == FREE:
@@ -144,19 +144,19 @@ def brute_force(rows: np.ndarray) -> dict[str, object]:
             peak = current
             at_peak = {k for k in made if k in alive} | {k for k, f in adopted.items() if f > i}
             peak_hidden = hidden
-    # After each row: bytes of parameters, gradients, optimizer state and activations, each
-    # allocation counted as its category for its whole life.
+    # After each row: bytes of each category but other, each allocation counted as its
+    # category for its whole life.
     layers = []
     for alive_then in lives:
-        layer = [0] * 4
+        layer = [0] * KNOWN
         for key, size in alive_then:
-            if category[key] < 4:
+            if category[key] < KNOWN:
                 layer[category[key]] += size
         layers.append(layer)
-    end = [0] * 5
+    end = [0] * (KNOWN + 1)
     for key, size in alive.items():
         end[category[key]] += size
-    end[4] += hidden
+    end[KNOWN] += hidden
     return {
         "peak": peak,
         "end": current,
@@ -229,10 +229,10 @@ def test_any_chunking_counts_what_brute_force_counts(seed: int) -> None:
         )
         assert found.hidden_at_peak == truth["hidden_at_peak"]
         end = np.bincount(found.live.cat, weights=found.live.size, minlength=5).astype(int)
-        assert [*end[:4], int(end[4]) + found.hidden] == truth["end_categories"]
+        assert [*end[:KNOWN], int(end[KNOWN]) + found.hidden] == truth["end_categories"]
         assert (found.forward, found.backward) == (truth["forward"], truth["backward"])
         assert (found.kept, found.rise) == (truth["kept"], truth["rise"])
-        assert found.line.now.tolist() == [int(b) for b in end[:4]]
+        assert found.line.now.tolist() == [int(b) for b in end[:KNOWN]]
         stop = int(rows[-1, 0])
         timeline, layers = found.line.read(stop, 50)
         expected = brute_force_timeline(rows, truth, found.line.width, stop, 50)
@@ -266,10 +266,10 @@ def test_an_allocation_counts_as_its_category_from_its_allocation_to_its_free() 
         timeline, layers = tally.line.read(4000, 10)
         assert [b for _, b in timeline] == [130, 180, 180, 130]
         assert layers == (
-            (30, 0, 0, 0, 100),  # its first moment at 130 B: before the gradient was made
-            (30, 100, 0, 0, 50),
-            (30, 100, 0, 0, 50),  # the use carried from the interval before
-            (30, 100, 0, 0, 0),
+            (30, 0, 0, 0, 0, 100),  # its first moment at 130 B: before the gradient was made
+            (30, 100, 0, 0, 0, 50),
+            (30, 100, 0, 0, 0, 50),  # the use carried from the interval before
+            (30, 100, 0, 0, 0, 0),
         )
 
 

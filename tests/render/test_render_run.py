@@ -23,6 +23,7 @@ CPU = DeviceRun(
         "parameters": 8 * M,
         "gradients": 8 * M,
         "optimizer_state": 8 * M,
+        "buffers": 2 * M,
         "activations": 20 * M,
         "other": 256 * M,
     },
@@ -30,6 +31,7 @@ CPU = DeviceRun(
         "parameters": 8 * M,
         "gradients": 8 * M,
         "optimizer_state": 16 * M,
+        "buffers": 2 * M,
         "activations": 0,
         "other": 8 * M,
     },
@@ -75,6 +77,7 @@ What the memory on cpu was:
   parameters             8.00M       8.00M
   gradients              8.00M       8.00M
   optimizer_state        8.00M      16.00M
+  buffers                2.00M       2.00M
   activations           20.00M       0.00B
   other                256.00M       8.00M
 
@@ -221,6 +224,7 @@ def test_categories_of_every_device_missing_end_and_reserved_peak() -> None:
         "  parameters             1.00K\n"
         "  gradients                  -\n"
         "  optimizer_state            -\n"
+        "  buffers                    -\n"
         "  activations            4.00M\n"
         "  other                      -\n"
         "  odd                    1.00B\n"
@@ -230,6 +234,7 @@ def test_categories_of_every_device_missing_end_and_reserved_peak() -> None:
         "  parameters                 -\n"
         "  gradients                  -\n"
         "  optimizer_state            -\n"
+        "  buffers                    -\n"
         "  activations                -\n"
         "  other                  2.00K"
     )

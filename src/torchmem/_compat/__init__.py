@@ -347,6 +347,12 @@ def own_parameters(module: torch.nn.Module) -> dict[str, torch.nn.Parameter | No
     return module._parameters
 
 
+def own_buffers(module: torch.nn.Module) -> dict[str, torch.Tensor | None]:
+    """`module`'s own buffers by attribute name (None where one is unset), the dict itself,
+    as :func:`own_parameters`."""
+    return module._buffers
+
+
 _PUSH_SAVED = lookup("torch._C._autograd._push_saved_tensors_default_hooks")
 _POP_SAVED = lookup("torch._C._autograd._pop_saved_tensors_default_hooks")
 _TOP_SAVED = lookup("torch._C._autograd._top_saved_tensors_default_hooks")

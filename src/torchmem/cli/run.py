@@ -38,7 +38,7 @@ class RunCommand(Command):
         "Run a Python script (a directory or zip file with a __main__.py, or -m module) as"
         " __main__ with its own arguments, recording"
         " every allocation, then print where the memory went: per device the peak, when"
-        " it happened and the end; parameters, gradients, optimizer state, activations"
+        " it happened and the end; parameters, gradients, optimizer state, buffers, activations"
         " and other bytes at the peak; the lines whose allocations were alive at the peak;"
         " the largest tensors; each module's forward and backward peak. Exits with the"
         " script's exit code. Under torchrun (torchrun [options] -m torchmem run SCRIPT)"

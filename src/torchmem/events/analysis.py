@@ -227,7 +227,7 @@ class Names:
         if name is None:
             return None
         kind = name[0]
-        if kind in ("param", "grad"):
+        if kind in ("param", "grad", "buffer"):
             found = _join(self.modules.get(name[1], ""), name[2])
             return found + ".grad" if kind == "grad" else found
         if kind == "grad-of":

@@ -4,8 +4,8 @@ Models and optimizers are discovered without the user naming them: a global modu
 forward hook sees every module called, a global optimizer step hook every optimizer
 stepped, and saved-tensor hooks every tensor autograd keeps for the backward pass. Each
 sighting is a mark: now, the storage at this address is a parameter, a gradient,
-optimizer state or an activation. The tally gives each allocation the first category of
-:data:`~torchmem.records.run.CATEGORIES` it was marked with.
+optimizer state, a module's buffer or an activation. The tally gives each allocation the
+first category of :data:`~torchmem.records.run.CATEGORIES` it was marked with.
 
 Each module's forward call is a probe that opens and closes; so is its backward, from the
 moment the gradient of one of its outputs is ready to the last moment a gradient of one of
@@ -17,7 +17,6 @@ for the others. Nothing the watcher keeps grows with the run's length.
 
 from __future__ import annotations
 
-import itertools
 import threading
 import types
 import weakref
@@ -37,6 +36,7 @@ from torchmem._compat import (
     autograd,
     disable_dynamo,
     keep_dynamo_out,
+    own_buffers,
     own_parameters,
     push_saved_tensors_hooks,
     saved_tensors_hooks_enabled,
@@ -45,12 +45,13 @@ from torchmem._objects import models_and_optimizers
 from torchmem.events import saved
 from torchmem.events.notes import NameTable, Notes, Tree
 from torchmem.events.phases import FORWARD, STEP, Phases
+from torchmem.events.probes import Backward, numbers
 from torchmem.events.tally import CLOSE, HIT, MARK, OPEN, STEP as STEP_ROW
 
 if TYPE_CHECKING:
     from torchmem.meters.native import CpuAllocatorLibrary
 
-PARAMETERS, GRADIENTS, OPTIMIZER_STATE, ACTIVATIONS, OTHER = range(5)
+PARAMETERS, GRADIENTS, OPTIMIZER_STATE, BUFFERS, ACTIVATIONS, OTHER = range(6)
 """Category indices, in the order of :data:`~torchmem.records.run.CATEGORIES`."""
 PENDING = 8
 """Backward passes awaited per module at most (more forward calls than backward passes,
@@ -59,8 +60,6 @@ e.g. evaluation with gradients on, drop the oldest)."""
 
 CATCH_UP = 64
 """Module calls between two looks at how far the CPU log's draining lags."""
-_numbers = itertools.count()
-"""Probe numbers, unique in the process (recordings that nest share one log)."""
 
 
 class Watcher:
@@ -100,7 +99,7 @@ class Watcher:
         """The forward calls of the roots, the backward passes through them, the steps."""
         self._local = threading.local()
         self._handles: list[RemovableHandle] = []
-        self._pending: dict[int, list[_Backward]] = {}
+        self._pending: dict[int, list[Backward]] = {}
         self._saved = False
         """Whether this watcher's saved-tensor hooks are on this thread's stack."""
         self._roots: dict[int, weakref.ref[torch.nn.Module]] = {}
@@ -109,7 +108,7 @@ class Watcher:
         )  # modules seen, or alive at the end
         self._params: dict[int, list[int]] = {}
         self._param_hooks: dict[int, RemovableHandle] = {}
-        self._waiting: dict[int, set[_Backward]] = {}
+        self._waiting: dict[int, set[Backward]] = {}
         """id() of a parameter -> the backward passes waiting for its gradient."""
         self._marked: dict[int, tuple[Any, ...]] = {}
         """id() of a module or optimizer -> where its tensors were when last marked."""
@@ -194,7 +193,7 @@ class Watcher:
             self.optimizers.setdefault(id(optimizer), optimizer)
         self._marked.clear()  # all of it once more: the notes of a long run may have lost some
         for module in list(self._known.values()):
-            self._mark_parameters(module)
+            self._mark_module(module)
         for optimizer in list(self.optimizers.values()):
             self._mark_optimizer(optimizer, grads=True)
 
@@ -238,15 +237,16 @@ class Watcher:
         if self.notes is not None:
             self.notes.probe(kind, number, module, ref)
 
-    def _mark_parameters(self, module: torch.nn.Module) -> None:
-        params = own_parameters(module)
-        # Marked again only where a parameter or gradient is not where it was last time.
+    def _mark_module(self, module: torch.nn.Module) -> None:
+        """Mark `module`'s own parameters, their gradients and its buffers."""
+        params, buffers = own_parameters(module), own_buffers(module)
+        # Marked again only where one of them is not where it was last time.
         try:
             where = tuple(
                 (self._where(p), -1 if p.grad is None else self._where(p.grad))
                 for p in params.values()
                 if p is not None
-            )
+            ) + tuple(self._where(b) for b in buffers.values() if b is not None)
         except RuntimeError:  # no storage to see: torch.func's tensors (functional_call)
             return
         if self._marked.get(id(module)) == where:
@@ -257,6 +257,9 @@ class Watcher:
                 self.mark(param, PARAMETERS, ("param", id(module), attribute))
                 if param.grad is not None:
                     self.mark(param.grad, GRADIENTS, ("grad", id(module), attribute))
+        for attribute, buffer in buffers.items():
+            if buffer is not None:
+                self.mark(buffer, BUFFERS, ("buffer", id(module), attribute))
 
     def _mark_optimizer(self, optimizer: torch.optim.Optimizer, grads: bool) -> None:
         if grads:
@@ -300,13 +303,13 @@ class Watcher:
         stack = self._stack()
         if not stack and key not in self._roots:
             self._found_root(module)
-        self._mark_parameters(module)
+        self._mark_module(module)
         pending = self._pending.get(key)
         if pending:  # the backward passes done since its last call (never inside autograd)
             for backward in [b for b in pending if b.ended]:
                 pending.remove(backward)
                 self._close(backward)
-        number = next(_numbers)
+        number = next(numbers)
         if not stack:
             self.phases.begin(FORWARD, number)
         self._probe(OPEN, number, key, len(stack) << 1)
@@ -338,7 +341,7 @@ class Watcher:
             params = self._params_of(module)
             if not params:
                 return
-        backward = _Backward(key, len(stack), self._probe)
+        backward = Backward(key, len(stack), self._probe)
         if not stack:
             self.phases.awaits(backward.number)
         if len(outputs) == 1:  # the same as a multi-grad hook on one tensor, at less cost
@@ -402,7 +405,7 @@ class Watcher:
         for backward in list(self._waiting.get(id(param), ())):
             backward.end(None)
 
-    def _close(self, backward: _Backward) -> None:
+    def _close(self, backward: Backward) -> None:
         """Remove `backward`'s hooks; close its probe if it began."""
         for handle in backward.handles:
             handle.remove()
@@ -440,37 +443,6 @@ def _eager_only(hook: Callable[..., Any]) -> Callable[..., Any]:
 
 def _data_ptr(tensor: torch.Tensor) -> int:
     return tensor.untyped_storage().data_ptr()
-
-
-class _Backward:
-    """One forward call's backward: a probe that opens at the gradient of one of its
-    outputs, hits at each gradient of its inputs (or parameters), and closes at the
-    module's next call."""
-
-    def __init__(self, key: int, depth: int, probe: Callable[[int, int, int, int], None]) -> None:
-        self.key = key
-        self.ref = depth << 1 | 1
-        self.number = next(_numbers)
-        self.started = False
-        self.ended = False
-        self.handles: list[RemovableHandle] = []
-        self.params: list[int] = []
-        """The ids of the parameters whose gradients end it (where no input needs one)."""
-        self._probe = probe
-
-    def begin(self, grad: Any) -> None:
-        if not self.started:
-            self.started = True
-            self._probe(OPEN, self.number, self.key, self.ref)
-
-    def end(self, grad: Any) -> None:
-        if self.started:
-            self.ended = True
-            self._probe(HIT, self.number, self.key, self.ref)
-
-    def close(self) -> None:
-        if self.started:
-            self._probe(CLOSE, self.number, self.key, self.ref)
 
 
 def _within(values: Iterable[object]) -> Iterator[object]:

@@ -23,7 +23,7 @@ class Table:
     site: np.ndarray
     time: np.ndarray
     cat: np.ndarray
-    """Category index, :data:`~torchmem.records.run.CATEGORIES` order (4: other)."""
+    """Category index, :data:`~torchmem.records.run.CATEGORIES` order (the last: other)."""
     name: np.ndarray
     """Index of the mark payload that named it (:data:`~torchmem.events.tally.UNNAMED`)."""
     owner: np.ndarray

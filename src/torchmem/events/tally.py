@@ -42,7 +42,7 @@ from torchmem.events.rows import (
 )
 from torchmem.events.steps import StepEnds
 from torchmem.events.table import Table
-from torchmem.events.timeline import Timeline, category_changes
+from torchmem.events.timeline import KNOWN, Timeline, category_changes
 
 BEFORE_SITE = -4
 """The site of a storage alive when the recording started."""
@@ -450,8 +450,8 @@ class Tally:
 def _records(
     rows: np.ndarray, at: np.ndarray, key: np.ndarray, born: np.ndarray, site: np.ndarray
 ) -> Table:
-    """Records of the storages of rows `at`, unmarked (category 4: other) and unowned."""
-    unset = (np.full(len(at), value, np.int64) for value in (4, UNNAMED, -1))
+    """Records of the storages of rows `at`, unmarked (category other) and unowned."""
+    unset = (np.full(len(at), value, np.int64) for value in (KNOWN, UNNAMED, -1))
     return Table(key, born, rows[at, PTR], rows[at, SIZE], site, rows[at, TIME], *unset)
 
 

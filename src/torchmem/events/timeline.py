@@ -21,14 +21,16 @@ from __future__ import annotations
 import numpy as np
 
 from torchmem.events.table import Table
+from torchmem.records.run import CATEGORIES
 
 FINE = 1024
 """Intervals the timeline keeps; past them, neighbours merge and each doubles."""
 FIRST_WIDTH = 1 << 10
 """Nanoseconds of a timeline interval at first (about a microsecond: a short run keeps
 its detail; each halving of the resolution costs one pass over :data:`FINE` intervals)."""
-KNOWN = 4
-"""Categories counted one by one: all but the last, ``other``, which is the rest."""
+KNOWN = len(CATEGORIES) - 1
+"""Categories counted one by one: all but the last, ``other``, which is the rest (and
+the category of an allocation no mark named)."""
 _NONE = 8
 """A category lower than none: no mark."""
 _EMPTY = -2

@@ -23,7 +23,7 @@ class EstimateRecord:
     reserved_bytes: int
     """CUDA: the caching allocator's highest reserved bytes (whole segments); CPU: the peak."""
     categories: dict[str, int]
-    """Bytes of parameters, gradients, optimizer state, activations and other at the peak
+    """Bytes of parameters, gradients, optimizer state, buffers, activations and other at the peak
     (:data:`~torchmem.records.run.CATEGORIES`)."""
     modules: tuple[ModulePeak, ...]
     """Each module's highest bytes allocated during its forward calls and backward passes."""

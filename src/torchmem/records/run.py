@@ -13,7 +13,14 @@ from typing import Any
 from torchmem.records.frames import Stack
 from torchmem.records.whatif import WhatIf
 
-CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "other")
+CATEGORIES = (
+    "parameters",
+    "gradients",
+    "optimizer_state",
+    "buffers",
+    "activations",
+    "other",
+)
 """What a byte can be, in the order reports list them. A storage that is several things
 (a weight autograd saved for backward) counts as the first of them."""
 

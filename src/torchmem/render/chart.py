@@ -27,6 +27,7 @@ COLOURS = {
     "parameters": "#4e79a7",
     "gradients": "#f28e2b",
     "optimizer_state": "#59a14f",
+    "buffers": "#b07aa1",
     "activations": "#e15759",
     "other": "#a0a0a0",
 }

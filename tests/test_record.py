@@ -541,6 +541,26 @@ def test_recordings_share_one_stream_and_one_fork_handler() -> None:
     assert sum(type(o) is CpuStream for o in gc.get_objects()) == 1
 
 
+@pytest.mark.usefixtures("fresh_dynamo")
+@pytest.mark.filterwarnings("ignore:Using `torch.compile\\(module\\)` when there are global hooks")
+def test_a_module_compiled_in_place_compiles_no_frame_more_under_the_hooks() -> None:
+    """``model.compile()``: its eager wrapper calls the global hooks, and Dynamo compiled
+    torchmem's hook wrapper as a frame of its own."""
+    from torch._dynamo.utils import counters
+
+    def frames(recording: bool) -> dict[str, int]:
+        torch._dynamo.reset()
+        counters.clear()
+        model, _ = two_linears()
+        model.compile(backend="eager")
+        with record() if recording else contextlib.nullcontext():
+            for batch in (4, 4, 6):
+                model(torch.randn(batch, 1024)).sum().backward()
+        return dict(counters["frames"])
+
+    assert frames(recording=True) == frames(recording=False)
+
+
 @pytest.mark.filterwarnings("ignore:Using `torch.compile\\(module\\)` when there are global hooks")
 def test_a_compiled_module_runs_under_the_hooks() -> None:
     """Dynamo must not trace torchmem's global hooks (it failed on them)."""

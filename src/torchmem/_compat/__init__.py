@@ -11,6 +11,7 @@ for the PyTorch it pins.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import inspect
@@ -165,6 +166,17 @@ def keep_dynamo_out(*functions: Callable[..., Any]) -> bool:
     except (AttributeError, TypeError, RuntimeError):
         return False
     return True
+
+
+def skip_dynamo_frames(function: Callable[..., Any]) -> None:
+    """Mark `function` so that Dynamo never compiles a frame of its own for it (a call
+    from eager code that Dynamo's frame evaluation sees), while it still traces through it
+    where compiled code calls it. Nothing where this PyTorch offers no such mark."""
+    if _SET_CODE_EXEC_STRATEGY is None or _FRAME_ACTION is None or _FRAME_STRATEGY is None:
+        return
+    with contextlib.suppress(AttributeError, TypeError, RuntimeError):
+        strategy = _FRAME_STRATEGY(_FRAME_ACTION.SKIP, _FRAME_ACTION.DEFAULT)
+        _SET_CODE_EXEC_STRATEGY(function.__code__, strategy)
 
 
 _SET_CODE_EXEC_STRATEGY = lookup(f"{_EVAL_FRAME}.set_code_exec_strategy")

@@ -40,6 +40,7 @@ from torchmem._compat import (
     own_parameters,
     push_saved_tensors_hooks,
     saved_tensors_hooks_enabled,
+    skip_dynamo_frames,
 )
 from torchmem._objects import models_and_optimizers
 from torchmem.events import saved
@@ -438,6 +439,7 @@ def _eager_only(hook: Callable[..., Any]) -> Callable[..., Any]:
             return None
         return opaque(*args)
 
+    skip_dynamo_frames(call)  # called by a compiled module's eager wrapper: not a frame to compile
     return call
 
 

@@ -190,7 +190,7 @@ def test_a_refresh_never_lands_inside_a_line_the_script_prints(tmp_path: Path) -
         held = []
         end = time.monotonic() + 2
         i = 0
-        while time.monotonic() < end:
+        while time.monotonic() < end or i < 600:  # a loaded machine prints fewer a second
             print(f"line {i}")
             if i % 4 == 3:  # the view's list of sites grows and shrinks
                 held.clear()

@@ -487,13 +487,13 @@ def test_files_are_shown_relative_to_the_working_directory_where_under_it() -> N
         assert frames.shown(pseudo) == pseudo
 
 
-SCRIPT = """\
+SCRIPT_SOURCE = """\
 import torch
 from model import make
 
 kept = [make(), torch.zeros(256, 1024)]
 """
-MODEL = """\
+MODULE_SOURCE = """\
 import torch
 
 def make():
@@ -507,8 +507,8 @@ def test_a_script_and_the_module_it_imports_are_named_in_one_form(tmp_path: Path
     imported through ``sys.path[0]``, by its absolute path: the report names both relative
     to the directory torchmem ran in, in its sites, their stacks and its largest tensors."""
     (tmp_path / "job").mkdir()
-    (tmp_path / "job" / "train.py").write_text(SCRIPT)
-    (tmp_path / "job" / "model.py").write_text(MODEL)
+    (tmp_path / "job" / "train.py").write_text(SCRIPT_SOURCE)
+    (tmp_path / "job" / "model.py").write_text(MODULE_SOURCE)
     command = [sys.executable, "-m", "torchmem", "run", "-q", "--json", "r.json", "job/train.py"]
     done = subprocess.run(command, capture_output=True, text=True, cwd=tmp_path, timeout=300)
     assert done.returncode == 0, done.stderr

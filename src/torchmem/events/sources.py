@@ -76,10 +76,9 @@ class Log:
     a free), site index (negative: none), index of the matching free or allocation (-1:
     none; a free of memory allocated before the recording)."""
     sites: dict[int, SiteKey]
-    """Stack index (the log's site column) -> the site, ``(file, line, function)``,
-    carrying that Python stack (:mod:`torchmem.records.frames`): each distinct stack has
-    an index of its own; :data:`~torchmem.records.frames.BACKWARD` for allocations
-    autograd's engine made."""
+    """Stack index (each distinct stack has one) -> site, ``(file, line, function)``,
+    carrying that Python stack (:mod:`torchmem.records.frames`);
+    :data:`~torchmem.records.frames.BACKWARD` for allocations autograd's engine made."""
     reserved_peak: int | None = None
     """CUDA: the caching allocator's highest reserved bytes."""
 
@@ -258,7 +257,7 @@ class CpuStream:
             site = rows[:, SITE]
             allocs = rows[:, KIND] == ALLOC
             site[allocs & (site == NO_FRAME_SITE)] = NO_PYTHON_SITE
-            # Stacks are numbered in the order they are first met: new ones are above those known.
+            # Stacks are numbered in the order first met: new ones are above those known.
             top = int(np.max(site, where=allocs, initial=-1))
             for index in range(self._next_site, top + 1):
                 found = self.library.record_site(index)
@@ -391,10 +390,9 @@ def cuda_events(
     expandable: bool = False,
 ) -> tuple[torch.Tensor, dict[int, SiteKey]]:
     """A CUDA allocator history's trace (``_snapshot()["device_traces"][i]``) as the rows
-    of :attr:`Log.events`, and its stacks: an index per distinct Python stack, with its
-    site (:func:`~torchmem.records.frames.stack_site` of each allocation's frames), as the
-    CPU log numbers them. Entries before `wall` (``time.time_ns()`` when the recording
-    started, `start` on the monotonic clock) are left out; an allocation counts from
+    of :attr:`Log.events`, and its stacks, each numbered once, with their sites
+    (:func:`~torchmem.records.frames.stack_site`). Entries before `wall` (``time.time_ns()``
+    at the start, `start` on the monotonic clock) are left out; an allocation counts from
     ``alloc``, a free from ``free_completed`` (when ``memory_allocated`` drops).
 
     The trace holds requested bytes; each allocation counts its block's bytes, as

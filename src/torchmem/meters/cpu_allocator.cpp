@@ -17,9 +17,10 @@
 // also appended to an event log, with the allocation's site: the frame that
 // torchmem.records.frames.choose picks from the allocating thread's Python stack (compiled
 // in where Python's headers are found, TORCHMEM_PYTHON), and that whole stack: a row names
-// it by its index in a table that keeps each distinct stack once. The log is a stream of rows that Python drains as it fills
-// (torchmem.events.tally counts them): a free names its allocation by sequence number,
-// and Python adds rows of its own in order (what a storage is, a module's pass starting).
+// it by its index in a table that keeps each distinct stack once. The log is a stream of
+// rows that Python drains as it fills (torchmem.events.tally counts them): a free names
+// its allocation by sequence number, and Python adds rows of its own in order (what a
+// storage is, a module's pass starting).
 //
 // What this file relies on -------------------------------------------------------------
 //

@@ -233,8 +233,7 @@ class SiteKey(tuple[str, int, str]):
 
     def __new__(cls, frame: Frame, stack: Stack) -> SiteKey:
         path = frame[0]
-        named = _cell_names() or shown
-        # In IPython, a cell's file is named after the cell.
+        named = _cell_names() or shown  # in IPython, a cell's file is named after the cell
         frame = (named(frame[0]), *frame[1:])
         stack = tuple((named(f[0]), *f[1:]) for f in stack)
         key = super().__new__(cls, frame)

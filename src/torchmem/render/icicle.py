@@ -64,7 +64,7 @@ def source_line(file: str, line: int) -> str | None:
     return text or None
 
 
-def paths(site: Site) -> list[tuple[int, list[Frame]]]:
+def _paths(site: Site) -> list[tuple[int, list[Frame]]]:
     """The bytes of each of the site's stacks with its frames from the outermost in to the
     site's own line; then the bytes no stack holds, with the site's line alone."""
     own = (site.file, site.line, site.function)
@@ -85,7 +85,7 @@ def tree(run: DeviceRun) -> Node:
     the root holds the peak (sites and what no site names)."""
     root = Node(None)
     for site in run.sites_at_peak:
-        for nbytes, path in paths(site):
+        for nbytes, path in _paths(site):
             _add(root, site, nbytes, path)
     rest = run.peak_bytes - root.bytes
     if rest > 0:

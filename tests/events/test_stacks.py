@@ -262,3 +262,18 @@ def test_a_real_cuda_historys_stacks_at_the_peak_are_its_allocations() -> None:
     assert recorded == alive
     several = [s for s in run.sites_at_peak if len(s.stacks) > 1]
     assert several and all(sum(e.bytes for e in s.stacks) == s.bytes for s in several)
+
+
+def test_a_sites_stacks_travel_in_the_json_and_an_older_reports_stack_loads() -> None:
+    line = ("model.py", 9, "forward")
+    stacks = (
+        SiteStack(3 * MiB, (line, ("train.py", 18, "train_step"))),
+        SiteStack(MiB, (line, ("train.py", 12, "evaluate"))),
+    )
+    site = Site(*line, 4 * MiB, stacks, "return model(x)")
+    written = json.loads(json.dumps(site.to_json()))
+    assert written["stack"] == [list(f) for f in stacks[0].stack]
+    back = Site.from_json(written)
+    assert (back, back.stacks, back.source) == (site, stacks, "return model(x)")
+    older = {k: v for k, v in written.items() if k != "stacks"}  # before stacks were kept
+    assert Site.from_json(older).stacks == (SiteStack(4 * MiB, stacks[0].stack),)

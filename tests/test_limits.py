@@ -11,6 +11,7 @@ import torch
 
 from torchmem.limits import Span, limit_leaks, limit_memory
 from torchmem.meters import meter
+from torchmem.records.frames import shown
 from torchmem.records.limits import Elsewhere, Limit, Origin, Usage, Verdict
 from torchmem.records.tensors import TensorRecord
 from torchmem.render.limits import explanation, failure, summary
@@ -217,7 +218,7 @@ def test_a_tensor_that_stayed_is_named_after_the_line_that_made_it() -> None:
     assert (stayed.name, stayed.nbytes) == (f"Tensor@test_limits.py:{line}", 2 * MiB)
     assert verdict.origins == (
         Origin(
-            __file__,
+            shown(__file__),
             line,
             "test_a_tensor_that_stayed_is_named_after_the_line_that_made_it",
             "KEPT.append(torch.zeros(512, 1024))",

@@ -24,13 +24,15 @@ from torch import nn
 import torchmem
 from standins import KiB, MiB
 from torchmem.meters import meter
-from torchmem.records.frames import BACKWARD
+from torchmem.records.frames import BACKWARD, shown
 from torchmem.records.run import CATEGORIES, DeviceRun, Held, ModulePeak, Phase, RunRecord, Site
 
 pytestmark = pytest.mark.skipif(
     getattr(meter("cpu"), "backend", "") != "allocator",
     reason="needs the counting CPU allocator (a C++ compiler)",
 )
+HERE = shown(__file__)
+"""This file as sites name it."""
 
 
 def two_linears() -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -88,7 +90,7 @@ def test_the_line_that_allocated_the_peak_is_the_top_site() -> None:
     top = cpu.sites_at_peak[0]
     line = allocate_256_mib.__code__.co_firstlineno + 1
     assert (top.file, top.line, top.function, top.bytes) == (
-        __file__,
+        HERE,
         line,
         "allocate_256_mib",
         256 * MiB,
@@ -97,7 +99,7 @@ def test_the_line_that_allocated_the_peak_is_the_top_site() -> None:
     # Pseudo files have no line to read.
     assert {s.source for s in cpu.sites_at_peak if not s.line} <= {None}
     assert cpu.largest_at_peak[0].bytes == 256 * MiB
-    assert cpu.largest_at_peak[0].site == f"{__file__}:{line}"
+    assert cpu.largest_at_peak[0].site == f"{HERE}:{line}"
 
 
 def test_a_tensor_alive_at_the_end_is_named_after_its_variable_with_its_shape() -> None:
@@ -125,7 +127,7 @@ def test_backward_allocations_are_named_backward_with_the_line_in_their_stack() 
     assert engine.bytes == 5 * MiB  # weight's gradient (4 MiB), the product's (1 MiB)
     assert engine.source is None
     name = test_backward_allocations_are_named_backward_with_the_line_in_their_stack.__name__
-    assert (__file__, peak_line, name) in engine.stack
+    assert (HERE, peak_line, name) in engine.stack
     assert (peak_line, 4) in {(s.line, s.bytes) for s in sites}  # backward()'s ones_like(loss)
 
 
@@ -263,12 +265,12 @@ def test_recordings_nest_and_overlap_each_seeing_its_own_span() -> None:
         del a, c
     o, i = outer.report().devices["cpu"], inner.report().devices["cpu"]
     assert (i.peak_bytes - i.start_bytes, i.end_bytes - i.start_bytes) == (2 * MiB, 0)
-    assert [(s.line - here, s.bytes) for s in i.sites_at_peak if s.file == __file__] == [
+    assert [(s.line - here, s.bytes) for s in i.sites_at_peak if s.file == HERE] == [
         (4, 2 * MiB)
     ]  # and "<before recording>": `a`, and whatever earlier tests left
     # The inner recording's own tally is not the program's memory: it is not counted.
     assert (o.peak_bytes - o.start_bytes, o.end_bytes - o.start_bytes) == (6 * MiB, 0)
-    lines = [(s.line - here, s.bytes) for s in o.sites_at_peak if s.file == __file__]
+    lines = [(s.line - here, s.bytes) for s in o.sites_at_peak if s.file == HERE]
     assert lines == [(2, 4 * MiB), (4, 2 * MiB)]
     with record() as after:  # the log was cleared with the last one: a fresh start
         d = torch.zeros(128, 1024)
@@ -382,6 +384,7 @@ def test_the_json_holds_categories_over_time_phases_what_modules_added_and_sourc
             "function": "<module>",
             "bytes": 8_388_608,
             "stack": [],
+            "stacks": [],
             "source": "x = torch.zeros(2, MiB)",
         }
     ]

@@ -25,7 +25,7 @@ import pytest
 from torchmem.cli import main
 from torchmem.errors import SnapshotError
 from torchmem.records.frames import stack_site
-from torchmem.records.run import DeviceRun, Site
+from torchmem.records.run import DeviceRun, Site, SiteStack
 from torchmem.records.snapshot_file import MAX_TUPLE_DEPTH, SnapshotUnpickler
 from torchmem.snapshot import MAX_STACK_FRAMES, Snapshot, load_snapshot
 
@@ -508,6 +508,7 @@ def test_a_file_name_that_is_not_utf8_is_written_escaped(tmp_path: Path) -> None
         "function": "main",
         "bytes": 512,
         "stack": [[NOT_UTF8, 3, "main"]],
+        "stacks": [{"bytes": 512, "stack": [[NOT_UTF8, 3, "main"]]}],
         "source": None,  # no such file to read the line from
     }
 
@@ -538,7 +539,7 @@ def test_the_command_writes_names_that_are_not_utf8(tmp_path: Path) -> None:
 def test_a_run_report_of_a_script_in_a_folder_that_is_not_utf8(tmp_path: Path) -> None:
     from torchmem import RunReport
 
-    site = Site(NOT_UTF8, 3, "<module>", 512, ((NOT_UTF8, 3, "<module>"),))
+    site = Site(NOT_UTF8, 3, "<module>", 512, (SiteStack(512, ((NOT_UTF8, 3, "<module>"),)),))
     cpu = DeviceRun("cpu", 0, 512, 1.0, 0, ((1.0, 512),), sites_at_peak=(site,))
     report = RunReport({"cpu": cpu}, (), 1.0, 0, (NOT_UTF8,))
     report.save_html(tmp_path / "run.html")

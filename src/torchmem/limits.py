@@ -20,7 +20,7 @@ from torchmem._compat import getframe, thread_frames
 from torchmem.meters import Meter, TensorMeter, Window, meter
 from torchmem.recording import Recording
 from torchmem.records import TOP
-from torchmem.records.frames import SiteKey
+from torchmem.records.frames import SiteKey, shown
 from torchmem.records.limits import Elsewhere, Limit, Origin, Usage, Verdict
 from torchmem.records.run import Site
 from torchmem.records.tensors import TensorRecord
@@ -255,9 +255,9 @@ def _address(record: TensorRecord) -> int | None:
 
 def other_threads(sites: Iterable[Site]) -> tuple[Elsewhere, ...]:
     """What threads other than the calling one allocated among `sites` (alive at a peak),
-    largest first. A site's thread is told by the function its stack entered first
-    outside ``threading`` (each site keeps the stack of its first allocation), and named
-    after the live threads whose stacks entered that function too."""
+    largest first. An allocation's thread is told by the function its stack entered first
+    outside ``threading``, and named after the live threads whose stacks entered that
+    function too."""
     here = threading.get_ident()
     mine = _entry(_outward(getframe(0)))
     names: dict[tuple[str, str] | None, list[str]] = {}
@@ -267,24 +267,25 @@ def other_threads(sites: Iterable[Site]) -> tuple[Elsewhere, ...]:
         if thread.ident != here and frame is not None:
             names.setdefault(_entry(_outward(frame)), []).append(thread.name)
     totals: dict[tuple[str, str], int] = {}
-    for site in sites:
-        entry = _entry([(file, function) for file, _, function in reversed(site.stack)])
+    for nbytes, stack in (each for site in sites for each in site.stacks):
+        entry = _entry([(file, function) for file, _, function in reversed(stack)])
         if entry is not None and entry != mine:
-            totals[entry] = totals.get(entry, 0) + site.bytes
+            totals[entry] = totals.get(entry, 0) + nbytes
     found = [Elsewhere(tuple(names.get(entry, ())), size) for entry, size in totals.items()]
     return tuple(sorted(found, key=lambda other: other.bytes, reverse=True))
 
 
-_THREADING = threading.Thread.run.__code__.co_filename
+_THREADING = shown(threading.Thread.run.__code__.co_filename)
 
 
 def _outward(frame: types.FrameType | None) -> list[tuple[str, str]]:
     """The stack from `frame` out, outermost first, as a site's stack names its frames:
-    ``(file, function)``, the function's qualified name where Python has one."""
+    ``(file, function)``, the file as :func:`~torchmem.records.frames.shown` gives it, the
+    function's qualified name where Python has one."""
     stack = []
     while frame is not None:
         code = frame.f_code
-        stack.append((code.co_filename, getattr(code, "co_qualname", code.co_name)))
+        stack.append((shown(code.co_filename), getattr(code, "co_qualname", code.co_name)))
         frame = frame.f_back
     return stack[::-1]
 

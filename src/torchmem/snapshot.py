@@ -25,8 +25,9 @@ from typing import Any, NamedTuple, NoReturn
 from torchmem.errors import SnapshotError
 from torchmem.records import TOP
 from torchmem.records.caching import NO_LIMIT, read_trace, replay_trace, timeline
-from torchmem.records.frames import Frame, SiteKey, stack_site
+from torchmem.records.frames import Frame, SiteKey, Stack, stack_site
 from torchmem.records.run import Site
+from torchmem.records.sites import sites_of
 from torchmem.records.snapshot import (
     DEVICE_NAMES,
     OOM,
@@ -163,6 +164,8 @@ class _Entry(NamedTuple):
 
 _Stacks = dict[Any, Any]
 """Sites by frames list (its id), and each stack seen once, bucketed by length and ends."""
+_Sizes = dict[tuple[Frame, Stack], int]
+"""Bytes by site and stack."""
 
 
 def _stack_site(
@@ -212,18 +215,10 @@ class _Reader:
         self._frames: dict[int, Frame] = {}
         self._stack_frames = MAX_STACK_FRAMES
 
-    def sites(self, sizes: dict[tuple[str, int, str], int]) -> tuple[Site, ...]:
-        """Sites, largest first, with the stack their keys carry (:class:`SiteKey`) while
-        :data:`MAX_STACK_FRAMES` last."""
-        found = []
-        for key, size in sorted(sizes.items(), key=lambda item: item[1], reverse=True):
-            if size:
-                stack = getattr(key, "stack", ())
-                if len(stack) > self._stack_frames:
-                    stack = ()
-                self._stack_frames -= len(stack)
-                found.append(Site(*key, size, stack))
-        return tuple(found)
+    def sites(self, sizes: _Sizes) -> tuple[Site, ...]:
+        """Sites, largest first, with their stacks while :data:`MAX_STACK_FRAMES` last."""
+        found, self._stack_frames = sites_of(sizes, self._stack_frames)
+        return found
 
     def fail(self, why: str) -> NoReturn:
         raise SnapshotError(f"{self.source} is not a memory snapshot: {why}")
@@ -288,7 +283,7 @@ class _Reader:
         if not isinstance(data.get("segments"), list):
             self.fail("it has no list of 'segments'")
         segments: dict[int, list[Segment]] = {}
-        sites: dict[int, dict[tuple[str, int, str], int]] = {}
+        sites: dict[int, _Sizes] = {}
         stacks: _Stacks = {}
         for i, raw in enumerate(data["segments"]):
             segment = self.segment(raw, f"segment {i}", sites, stacks)
@@ -326,7 +321,7 @@ class _Reader:
         self,
         raw: object,
         where: str,
-        sites: dict[int, dict[tuple[str, int, str], int]],
+        sites: dict[int, _Sizes],
         stacks: _Stacks,
     ) -> Segment:
         # The checks of field(), inline: a snapshot has thousands of segments and blocks.
@@ -374,7 +369,8 @@ class _Reader:
                     frames = self.field(first, "frames", here, list, [])
                 key = _stack_site(frames, stacks, self.block_site, frames, where, j)
                 own = sites.setdefault(device, {})
-                own[key] = own.get(key, 0) + size
+                pair = (key, getattr(key, "stack", ()))
+                own[pair] = own.get(pair, 0) + size
             elif state == "active_pending_free":
                 pending += size
             elif state == "inactive" and size > largest:
@@ -459,17 +455,18 @@ def _replayed(
     start = trace.start if timed else None
     done = replay_trace(segments, in_use, events, start, trace.expandable, trace.max_split)
     base = device.active_bytes - done.end  # the anchor: the replay ends at the snapshot
-    at_peak: dict[tuple[str, int, str], int] = {}
+    at_peak: _Sizes = {}
     for k in done.live:
         entry = events[k][4]
         frames = trace.raw[entry].get("frames")
         key = stacks.get(id(frames)) or _stack_site(
             frames, stacks, reader.entry_site, trace.entry(entry)
         )
-        at_peak[key] = at_peak.get(key, 0) + done.blocks[k]
+        pair = (key, getattr(key, "stack", ()))
+        at_peak[pair] = at_peak.get(pair, 0) + done.blocks[k]
     unexplained = base + done.highest - sum(at_peak.values())
     if unexplained > 0:
-        at_peak[(BEFORE_TRACE, 0, "")] = unexplained
+        at_peak[(BEFORE_TRACE, 0, ""), ()] = unexplained
     oom = None
     if trace.ooms:
         last = trace.entry(trace.ooms[-1])

@@ -65,6 +65,8 @@ def test_a_script_runs_as_main_and_its_report_is_exact(tmp_path: Path) -> None:
     assert cpu["peak_bytes"] == cpu["end_bytes"] + 256 * MiB
     top = report["sites_at_peak"][0]
     assert top.pop("stack")[0] == ["known.py", BIG_LINE, "<module>"]
+    ((nbytes, stack),) = ((each["bytes"], each["stack"]) for each in top.pop("stacks"))
+    assert (nbytes, stack[0]) == (256 * MiB, ["known.py", BIG_LINE, "<module>"])
     assert top == {
         "file": "known.py",
         "line": BIG_LINE,

@@ -5,7 +5,9 @@ backward, snapshots, the estimator, the JSON and the HTML."""
 from __future__ import annotations
 
 import importlib
+import json
 import os
+import subprocess
 import sys
 import threading
 from collections.abc import Iterator
@@ -36,10 +38,12 @@ from torchmem.records.frames import (
     python_stack,
     stack_site,
 )
-from torchmem.records.run import DeviceRun, RunRecord, Site
+from torchmem.records.run import DeviceRun, RunRecord, Site, SiteStack
 from torchmem.render import run as render_run
 from torchmem.snapshot import BEFORE_TRACE, Snapshot
 
+HERE = frames.shown(__file__)
+"""This file as sites name it: relative to the working directory the tests run in."""
 ENV = "/scratch/u/envs/a2/lib/python3.13/site-packages"
 MODEL = "/home/u/assignment1/cs336_basics/transformer.py"
 BENCH = "/home/u/assignment2/cs336_systems/benchmark.py"
@@ -237,7 +241,10 @@ def test_a_snapshots_top_site_is_the_users_line_with_its_stack_in_json() -> None
 
 def test_html_shows_a_sites_stack_on_demand_and_text_does_not() -> None:
     stack = (("/lib/site-packages/einops/_backends.py", 288, "einsum"), ("train.py", 5, "f<g>"))
-    sites = (Site("train.py", 5, "f<g>", 4 * MiB, stack), Site(BACKWARD, 0, "", 2 * MiB))
+    sites = (
+        Site("train.py", 5, "f<g>", 4 * MiB, (SiteStack(4 * MiB, stack),)),
+        Site(BACKWARD, 0, "", 2 * MiB),
+    )
     record = RunRecord(
         {"cpu": DeviceRun("cpu", 0, 6 * MiB, 1.0, 0, (), sites_at_peak=sites)}, (), 2.0
     )
@@ -251,6 +258,25 @@ def test_html_shows_a_sites_stack_on_demand_and_text_does_not() -> None:
     assert html.count("<details>") == 1  # a site without a stack is a plain cell
     assert "<script" not in html  # no timeline: no chart to hover
     assert "einops" not in render_run.text(record)
+
+
+def test_html_shows_each_stack_of_a_site_under_its_bytes() -> None:
+    line = ("model.py", 9, "forward")
+    train = SiteStack(3 * MiB, (line, ("train.py", 18, "train_step")))
+    evaluate = SiteStack(MiB, (line, ("train.py", 12, "evaluate")))
+    sites = (Site(*line, 4 * MiB, (train, evaluate)),)
+    record = RunRecord(
+        {"cpu": DeviceRun("cpu", 0, 4 * MiB, 1.0, 0, (), sites_at_peak=sites)}, (), 2.0
+    )
+    ol = '<ol style="margin: 2px 0; padding-left: 1.6em; text-align: left">'
+    assert (
+        '<td style="text-align: left"><details><summary>model.py:9</summary>'
+        f'<div style="text-align: left">3.00M:</div>{ol}'
+        "<li><code>model.py:9</code> forward</li><li><code>train.py:18</code> train_step</li>"
+        f'</ol><div style="text-align: left">1.00M:</div>{ol}'
+        "<li><code>model.py:9</code> forward</li><li><code>train.py:12</code> evaluate</li>"
+        "</ol></details></td>"
+    ) in render_run.html(record)
 
 
 needs_allocator = pytest.mark.skipif(
@@ -287,11 +313,11 @@ def test_the_cpu_log_names_the_users_line_that_called_an_installed_package(
         kept = users_line(installed_library)
     del kept
     sites = rec.report().devices["cpu"].sites_at_peak  # in a whole suite, storages alive
-    top = next(s for s in sites if s.file == __file__)  # before the recording come first
+    top = next(s for s in sites if s.file == HERE)  # before the recording come first
     line = users_line.__code__.co_firstlineno + 1
     library = os.path.join(os.path.dirname(installed_library.__file__), "__init__.py")  # type: ignore[attr-defined]
-    assert (top.file, top.line, top.function, top.bytes) == (__file__, line, "users_line", 4 * MiB)
-    assert top.stack[:2] == ((library, 5, "make"), (__file__, line, "users_line"))
+    assert (top.file, top.line, top.function, top.bytes) == (HERE, line, "users_line", 4 * MiB)
+    assert top.stack[:2] == ((library, 5, "make"), (HERE, line, "users_line"))
 
 
 def cpu_library() -> CpuAllocatorLibrary:
@@ -390,7 +416,7 @@ def test_a_compiled_steps_sites_are_the_users_lines_and_backward(
     folder = str(tmp_path / "compiled")
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", folder)  # the process is started with it
     files = call_in_fresh_process_without_gpu(compiled_sites)
-    assert sorted(files) == sorted([BEFORE, f"{BACKWARD} of OptimizedModule", __file__])
+    assert sorted(files) == sorted([BEFORE, f"{BACKWARD} of OptimizedModule", HERE])
 
 
 @needs_allocator
@@ -448,3 +474,48 @@ def test_real_snapshots_name_user_lines_and_backward(name: str, backward: int | 
         assert site.stack[0][0].endswith(".py")
     einsum = next(s for s in sites if s.file.endswith("transformer.py") and s.line == 22)
     assert einsum.stack[1][1:] == (288, "einsum") and "einops" in einsum.stack[1][0]
+
+
+def test_files_are_shown_relative_to_the_working_directory_where_under_it() -> None:
+    here = os.getcwd()  # where the tests started, as torchmem did
+    assert frames.shown(os.path.join(here, "src", "train.py")) == os.path.join("src", "train.py")
+    assert frames.shown(os.path.join("src", ".", "train.py")) == os.path.join("src", "train.py")
+    outside = os.path.join(os.path.dirname(here), "elsewhere", "model.py")
+    assert frames.shown(outside) == outside
+    assert frames.shown(os.path.join(os.pardir, "elsewhere", "model.py")) == outside
+    for pseudo in ("<stdin>", "<frozen runpy>", "In [4]", BACKWARD, "backward of 0 (Linear)"):
+        assert frames.shown(pseudo) == pseudo
+
+
+SCRIPT_SOURCE = """\
+import torch
+from model import make
+
+kept = [make(), torch.zeros(256, 1024)]
+"""
+MODULE_SOURCE = """\
+import torch
+
+def make():
+    return torch.zeros(512, 1024)
+"""
+
+
+@needs_allocator
+def test_a_script_and_the_module_it_imports_are_named_in_one_form(tmp_path: Path) -> None:
+    """Python names the script by the path it was given (relative) and the module beside it,
+    imported through ``sys.path[0]``, by its absolute path: the report names both relative
+    to the directory torchmem ran in, in its sites, their stacks and its largest tensors."""
+    (tmp_path / "job").mkdir()
+    (tmp_path / "job" / "train.py").write_text(SCRIPT_SOURCE)
+    (tmp_path / "job" / "model.py").write_text(MODULE_SOURCE)
+    command = [sys.executable, "-m", "torchmem", "run", "-q", "--json", "r.json", "job/train.py"]
+    done = subprocess.run(command, capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert done.returncode == 0, done.stderr
+    cpu = json.loads((tmp_path / "r.json").read_text())["devices"]["cpu"]
+    sites = [(s["file"], s["line"], s["bytes"]) for s in cpu["sites_at_peak"]]
+    assert sites == [("job/model.py", 4, 2 * MiB), ("job/train.py", 4, MiB)]
+    files = {f[0] for s in cpu["sites_at_peak"] for each in s["stacks"] for f in each["stack"]}
+    assert {"job/model.py", "job/train.py"} <= files
+    assert not [f for f in files if f.startswith(str(tmp_path))]
+    assert [h["site"] for h in cpu["largest_at_peak"]] == ["job/model.py:4", "job/train.py:4"]

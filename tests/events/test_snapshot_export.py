@@ -18,13 +18,14 @@ import torchmem
 from standins import KiB, MiB
 from torchmem.errors import TorchmemError
 from torchmem.meters import meter
+from torchmem.records.frames import shown
 
 pytestmark = pytest.mark.skipif(
     getattr(meter("cpu"), "backend", "") != "allocator",
     reason="needs the counting CPU allocator (a C++ compiler)",
 )
 
-HERE = __file__
+HERE = shown(__file__)
 
 
 def load(path: Path) -> dict[str, Any]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-from torchmem.records.run import DeviceRun, Site
+from torchmem.records.run import DeviceRun, Site, SiteStack
 from torchmem.render import icicle
 
 M = 2**20
@@ -20,7 +20,7 @@ def device(model: Path) -> DeviceRun:
             41,
             "main",
             4 * M,
-            stack=(("train.py", 41, "main"), ("train.py", 90, "<module>")),
+            stacks=(SiteStack(4 * M, (("train.py", 41, "main"), ("train.py", 90, "<module>"))),),
             source="losses.append(loss)",
         ),
         Site(
@@ -28,11 +28,16 @@ def device(model: Path) -> DeviceRun:
             2,
             "Net.forward",
             M,
-            stack=(
-                (TORCH, 125, "forward"),
-                (str(model), 2, "Net.forward"),
-                ("train.py", 40, "main"),
-                ("train.py", 90, "<module>"),
+            stacks=(
+                SiteStack(
+                    M,
+                    (
+                        (TORCH, 125, "forward"),
+                        (str(model), 2, "Net.forward"),
+                        ("train.py", 40, "main"),
+                        ("train.py", 90, "<module>"),
+                    ),
+                ),
             ),
         ),
         Site("train.py", 30, "main", 3 * M + 7),  # no stack: under the root
@@ -114,3 +119,21 @@ def test_html_has_a_box_per_frame_with_its_line_on_hover(tmp_path: Path) -> None
 
 def test_no_sites_no_icicle() -> None:
     assert icicle.html(DeviceRun("ram", 0, 5, 1.0, 0, ((1.0, 5),))) == ""
+
+
+def test_a_line_reached_two_ways_draws_each_way_with_its_own_bytes() -> None:
+    """Two callers of one line, and bytes of the line that kept no stack."""
+    line = ("model.py", 9, "forward")
+    train = (line, ("train.py", 18, "train_step"), ("train.py", 30, "<module>"))
+    evaluate = (line, ("train.py", 12, "evaluate"), ("train.py", 30, "<module>"))
+    site = Site(*line, 7 * M, (SiteStack(4 * M, train), SiteStack(2 * M, evaluate)))
+    root = icicle.tree(DeviceRun("cpu", 0, 7 * M, 1.0, 0, ((1.0, 7 * M),), sites_at_peak=(site,)))
+    assert [(f, n.bytes) for f, n in root.children.items()] == [
+        (("train.py", 30, "<module>"), 6 * M),
+        (line, M),  # no stack: under the root
+    ]
+    script = root.children[("train.py", 30, "<module>")]
+    assert [(f, n.bytes, list(n.children)) for f, n in script.children.items()] == [
+        (("train.py", 18, "train_step"), 4 * M, [line]),
+        (("train.py", 12, "evaluate"), 2 * M, [line]),
+    ]

@@ -6,7 +6,15 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from torchmem.records.run import CATEGORIES, DeviceRun, Held, ModulePeak, RunRecord, Site
+from torchmem.records.run import (
+    CATEGORIES,
+    DeviceRun,
+    Held,
+    ModulePeak,
+    RunRecord,
+    Site,
+    SiteStack,
+)
 from torchmem.render import chart, kit, run as render
 
 M = 2**20
@@ -353,9 +361,8 @@ def test_dataframe_has_a_row_per_device() -> None:
 
 
 def test_a_notebook_cells_site_reads_as_ipython_says_it() -> None:
-    cell = Site(
-        "In [4]", 3, "<module>", 4 * M, stack=(("In [4]", 3, "<module>"),), source="y = f(x)"
-    )
+    stacks = (SiteStack(4 * M, (("In [4]", 3, "<module>"),)),)
+    cell = Site("In [4]", 3, "<module>", 4 * M, stacks, source="y = f(x)")
     run = DeviceRun("cpu", 0, 4 * M, 1.0, 0, ((1.0, 4 * M),), sites_at_peak=(cell,))
     record = RunRecord({"cpu": run}, (), 1.0)
     assert "  4.00M  In [4], line 3  <module>  y = f(x)" in render.text(record, width=100)

@@ -23,8 +23,9 @@ from torchmem.events.sources import NO_SITE, Laps, Tallied
 from torchmem.events.table import Table
 from torchmem.events.tally import UNNAMED, Tally
 from torchmem.meters.native import NO_PYTHON_SITE
-from torchmem.records.frames import NO_PYTHON, SiteKey, located
+from torchmem.records.frames import NO_PYTHON, SiteKey, Stack, located
 from torchmem.records.run import CATEGORIES, DeviceRun, Held, ModulePeak, Site
+from torchmem.records.sites import stacks_of
 
 BUCKETS = 200
 """Intervals in the timeline of a device with an event log, at most."""
@@ -84,25 +85,28 @@ def _key(found: Tallied, site: int, owner: int, names: Names) -> SiteKey | None:
     module's backward pass ran is named after that module."""
     key = found.sites.get(site) if site >= 0 else _PSEUDO.get(site)
     if owner >= 0:
-        return SiteKey((names.backward(owner), 0, ""), getattr(key, "stack", ()))
+        return SiteKey((names.backward(owner), 0, ""), key.stack if key is not None else ())
     return key
 
 
 def _sites(found: Tallied, names: Names) -> tuple[Site, ...]:
+    """The sites alive at the peak, each with the stacks of its allocations alive then."""
     records = found.tally.at_peak
     made = records.born >= 0
     if not made.any() or bool((records.site[made] == NO_SITE).all()):
         return ()  # nothing allocated alive at the peak, or sites were not recorded
-    totals: dict[SiteKey, int] = {}
+    totals: dict[SiteKey, dict[Stack, int]] = {}  # site -> its stacks' bytes
     pairs = np.stack([records.site[made], records.owner[made]], axis=1)
     unique, inverse = np.unique(pairs, axis=0, return_inverse=True)
     sums = np.bincount(inverse.reshape(-1), weights=records.size[made], minlength=len(unique))
     for (site, owner), size in zip(unique.tolist(), sums.tolist(), strict=True):
         key = _key(found, site, owner, names)
         if key is not None:
-            totals[key] = totals.get(key, 0) + int(size)
+            stacks = totals.setdefault(key, {})
+            stacks[key.stack] = stacks.get(key.stack, 0) + int(size)
     sites = [
-        Site(*key, size, getattr(key, "stack", ()), source(key)) for key, size in totals.items()
+        Site(*key, sum(stacks.values()), stacks_of(stacks), source(key))
+        for key, stacks in totals.items()
     ]
     before = found.tally.hidden_at_peak + int(records.size[~made].sum())
     if before:

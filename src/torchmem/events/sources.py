@@ -76,9 +76,9 @@ class Log:
     a free), site index (negative: none), index of the matching free or allocation (-1:
     none; a free of memory allocated before the recording)."""
     sites: dict[int, SiteKey]
-    """Site index -> (file, line, function), carrying the Python stack first seen there
-    (:mod:`torchmem.records.frames`); :data:`~torchmem.records.frames.BACKWARD` for
-    allocations autograd's engine made."""
+    """Stack index (each distinct stack has one) -> site, ``(file, line, function)``,
+    carrying that Python stack (:mod:`torchmem.records.frames`);
+    :data:`~torchmem.records.frames.BACKWARD` for allocations autograd's engine made."""
     reserved_peak: int | None = None
     """CUDA: the caching allocator's highest reserved bytes."""
 
@@ -102,7 +102,7 @@ class Tallied:
     device: str
     tally: Tally
     sites: dict[int, SiteKey]
-    """Site index -> site (see :attr:`Log.sites`); index :data:`NO_PYTHON_SITE`: no Python
+    """Stack index -> site (see :attr:`Log.sites`); index :data:`NO_PYTHON_SITE`: no Python
     frame (a thread Python does not know: intra-op workers)."""
     reserved_peak: int | None = None
     lost_notes: int = 0
@@ -256,7 +256,7 @@ class CpuStream:
             site = rows[:, SITE]
             allocs = rows[:, KIND] == ALLOC
             site[allocs & (site == NO_FRAME_SITE)] = NO_PYTHON_SITE
-            # Sites are numbered in the order they are first met: new ones are above those known.
+            # Stacks are numbered in the order first met: new ones are above those known.
             top = int(np.max(site, where=allocs, initial=-1))
             for index in range(self._next_site, top + 1):
                 found = self.library.record_site(index)
@@ -390,9 +390,9 @@ def cuda_events(
     expandable: bool = False,
 ) -> tuple[torch.Tensor, dict[int, SiteKey]]:
     """A CUDA allocator history's trace (``_snapshot()["device_traces"][i]``) as the rows
-    of :attr:`Log.events`, and its sites (:func:`~torchmem.records.frames.stack_site` of
-    each allocation's frames). Entries before `wall` (``time.time_ns()`` when the recording
-    started, `start` on the monotonic clock) are left out; an allocation counts from
+    of :attr:`Log.events`, and its stacks, each numbered once, with their sites
+    (:func:`~torchmem.records.frames.stack_site`). Entries before `wall` (``time.time_ns()``
+    at the start, `start` on the monotonic clock) are left out; an allocation counts from
     ``alloc``, a free from ``free_completed`` (when ``memory_allocated`` drops).
 
     The trace holds requested bytes; each allocation counts its block's bytes, as
@@ -412,7 +412,7 @@ def cuda_events(
         expandable,
     )
     rows: list[list[int]] = []
-    sites: dict[tuple[str, int, str], int] = {}
+    sites: dict[tuple[Frame, Stack], int] = {}
     keys: dict[int, SiteKey] = {}
     picked: dict[int, int] = {}  # id() of a frames list, which the trace holds meanwhile
     live: dict[int, int] = {}
@@ -431,7 +431,7 @@ def cuda_events(
             if frames and site == NO_SITE:
                 listed = [(f["filename"], int(f["line"]), f["name"]) for f in frames]
                 key = SiteKey(*stack_site(listed))
-                site = picked[id(frames)] = sites.setdefault(key, len(sites))
+                site = picked[id(frames)] = sites.setdefault((key, key.stack), len(sites))
                 keys.setdefault(site, key)
             live[address] = len(rows)
             rows.append([at, address, size, site, -1])

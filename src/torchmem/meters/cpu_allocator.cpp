@@ -16,10 +16,11 @@
 // While a recording runs (torchmem.record, torchmem run), every allocation and free is
 // also appended to an event log, with the allocation's site: the frame that
 // torchmem.records.frames.choose picks from the allocating thread's Python stack (compiled
-// in where Python's headers are found, TORCHMEM_PYTHON), and the whole stack the first
-// time a site is seen. The log is a stream of rows that Python drains as it fills
-// (torchmem.events.tally counts them): a free names its allocation by sequence number,
-// and Python adds rows of its own in order (what a storage is, a module's pass starting).
+// in where Python's headers are found, TORCHMEM_PYTHON), and that whole stack: a row names
+// it by its index in a table that keeps each distinct stack once. The log is a stream of
+// rows that Python drains as it fills (torchmem.events.tally counts them): a free names
+// its allocation by sequence number, and Python adds rows of its own in order (what a
+// storage is, a module's pass starting).
 //
 // What this file relies on -------------------------------------------------------------
 //
@@ -181,7 +182,7 @@ struct Event {
   int64_t time_ns;  // steady clock: CLOCK_MONOTONIC, as Python's time.monotonic_ns()
   int64_t ptr;      // the data pointer (a probe: its number)
   int64_t size;     // bytes; negative for a free
-  int64_t site;     // an allocation's site index (or kNoSite, kNoPython, kNoFrame); payload
+  int64_t site;     // an allocation's stack index (or kNoSite, kNoPython, kNoFrame); payload
   int64_t ref;      // the sequence number of the allocation a free, mark or adoption names
   int64_t kind;     // kAlloc, kFree, or what Python noted (torchmem.events.tally.KINDS)
 };
@@ -444,6 +445,24 @@ struct SiteHash {
            static_cast<size_t>(key.line);
   }
 };
+// An allocation's stack as the walk read it: its frames, innermost first, and the place of
+// the one that names its site.
+struct Walked {
+  std::vector<SiteFrame> frames;
+  size_t chosen = 0;
+  bool operator==(const Walked& other) const {
+    return chosen == other.chosen && frames == other.frames;
+  }
+};
+struct WalkedHash {
+  size_t operator()(const Walked& key) const {
+    size_t hash = key.chosen;
+    for (const SiteFrame& frame : key.frames) {
+      hash = hash * 1000003u ^ SiteHash{}(frame);
+    }
+    return hash;
+  }
+};
 
 // torchmem.records.frames.pattern(), written out: that rule is a regular expression, and
 // std::regex, which reads the C++ locale's facets, crashed while compiling it on one
@@ -460,11 +479,13 @@ Rule* rule = nullptr;  // the rule's paths; none while no recording was started
 std::unordered_map<PyObject*, CodeInfo>& code_infos = *new std::unordered_map<PyObject*, CodeInfo>();
 std::vector<std::string>& texts = *new std::vector<std::string>();
 std::unordered_map<std::string, int32_t>& text_ids = *new std::unordered_map<std::string, int32_t>();
-std::unordered_map<SiteFrame, int64_t, SiteHash>& site_ids =
-    *new std::unordered_map<SiteFrame, int64_t, SiteHash>();
-std::vector<SiteFrame>& sites = *new std::vector<SiteFrame>();
-std::vector<int>& site_kinds = *new std::vector<int>();
-std::vector<std::vector<SiteFrame>>& stacks = *new std::vector<std::vector<SiteFrame>>();
+// Each distinct stack once, by its index in the log's rows: a training loop's allocations
+// come from a few hundred stacks, however many steps it runs.
+std::unordered_map<Walked, int64_t, WalkedHash>& stack_ids =
+    *new std::unordered_map<Walked, int64_t, WalkedHash>();
+std::vector<const Walked*>& stacks = *new std::vector<const Walked*>();  // keys of stack_ids
+std::vector<int>& site_kinds = *new std::vector<int>();  // the kind of each one's site
+Walked& walked = *new Walked();  // the stack being read, its memory kept from walk to walk
 
 // A str as UTF-8 (lone surrogates as U+FFFD), through its immutable fields only.
 std::string utf8_of(PyObject* text) {
@@ -652,9 +673,19 @@ SiteFrame site_frame_of(Frame* frame, CodeInfo& info) {
 
 SiteFrame site_frame_of(Frame* frame) { return site_frame_of(frame, info_of(code_of(frame))); }
 
-// The site of this allocation: walking out from the innermost frame, the first of the
-// user's code or of autograd engine's entry point, else the first of an installed
-// package, else the first (torchmem.records.frames.choose). A new site keeps the stack.
+// Room for one more element, growing by doubling: the push_back that follows cannot throw.
+// May throw std::bad_alloc (before anything changed).
+template <typename T>
+void room_for_one(std::vector<T>& items) {
+  if (items.size() == items.capacity()) {
+    items.reserve(std::max<size_t>(64, 2 * items.capacity()));
+  }
+}
+
+// The index of this allocation's stack, read into `walked`: its frames, and the site among
+// them: walking out from the innermost frame, the first of the user's code or of autograd
+// engine's entry point, else the first of an installed package, else the first
+// (torchmem.records.frames.choose). A new stack is kept.
 int64_t python_site() noexcept {
   if (!Py_IsInitialized() || finalizing()) {
     return kNoPython;
@@ -665,56 +696,50 @@ int64_t python_site() noexcept {
   }
   std::lock_guard<std::mutex> lock(sites_mutex);
   try {
-    Frame* innermost = nullptr;
-    Frame* library = nullptr;
-    Frame* chosen = nullptr;
-    CodeInfo* chosen_info = nullptr;
+    constexpr size_t kNone = ~size_t{0};
+    size_t chosen = kNone;
+    size_t library = kNone;
+    int kind = kOther;  // the chosen frame's
+    int innermost_kind = kOther;
+    walked.frames.clear();
     for (Frame* frame = innermost_frame(state); frame != nullptr; frame = outer_frame(frame)) {
       if (passed_over(frame)) {
         continue;
       }
-      if (innermost == nullptr) {
-        innermost = frame;
-      }
       PyCodeObject* code = code_of(frame);
       CodeInfo& info = info_of(code);
-      const int kind = kind_of(code, info);
-      if (kind == kUser || kind == kEngine) {
-        chosen = frame;
-        chosen_info = &info;
-        break;
+      if (chosen == kNone) {
+        const int found = kind_of(code, info);
+        if (walked.frames.empty()) {
+          innermost_kind = found;
+        }
+        if (found == kUser || found == kEngine) {
+          chosen = walked.frames.size();
+          kind = found;
+        } else if (found == kLibrary && library == kNone) {
+          library = walked.frames.size();
+        }
       }
-      if (kind == kLibrary && library == nullptr) {
-        library = frame;
-      }
+      walked.frames.push_back(site_frame_of(frame, info));
     }
-    if (chosen == nullptr) {
-      chosen = library != nullptr ? library : innermost;
-      if (chosen == nullptr) {
-        return kNoFrame;
-      }
-      chosen_info = &info_of(code_of(chosen));
+    if (walked.frames.empty()) {
+      return kNoFrame;
     }
-    const int kind = chosen_info->kind;
-    const SiteFrame key = site_frame_of(chosen, *chosen_info);
-    auto found = site_ids.find(key);
-    if (found != site_ids.end()) {
+    if (chosen == kNone) {
+      chosen = library != kNone ? library : 0;
+      kind = library != kNone ? kLibrary : innermost_kind;
+    }
+    walked.chosen = chosen;
+    auto found = stack_ids.find(walked);
+    if (found != stack_ids.end()) {
       return found->second;
     }
-    std::vector<SiteFrame> stack;
-    for (Frame* frame = innermost; frame != nullptr; frame = outer_frame(frame)) {
-      if (!passed_over(frame)) {
-        stack.push_back(site_frame_of(frame));
-      }
-    }
-    const auto id = static_cast<int64_t>(sites.size());
-    sites.reserve(sites.size() + 1);
-    site_kinds.reserve(site_kinds.size() + 1);
-    stacks.reserve(stacks.size() + 1);
-    site_ids.emplace(key, id);
-    sites.push_back(key);
+    const auto id = static_cast<int64_t>(stacks.size());
+    room_for_one(stacks);
+    room_for_one(site_kinds);
+    const Walked& kept = stack_ids.emplace(walked, id).first->first;
+    stacks.push_back(&kept);
     site_kinds.push_back(kind);
-    stacks.push_back(std::move(stack));
     return id;
   } catch (...) {  // std::bad_alloc: this allocation has no site
     return kNoFrame;
@@ -747,10 +772,10 @@ void reset_sites(const char* stdlib, const char* installed) {
   code_infos.clear();
   texts.clear();
   text_ids.clear();
-  site_ids.clear();
-  sites.clear();
-  site_kinds.clear();
   stacks.clear();
+  stack_ids.clear();
+  site_kinds.clear();
+  std::vector<SiteFrame>().swap(walked.frames);
 }
 // Takes (true) or gives back the sites' lock, across a fork.
 void lock_sites(bool take) {
@@ -1266,24 +1291,25 @@ static PyObject* frame_tuple(const std::string& file, int line, const std::strin
                        function.data(), static_cast<Py_ssize_t>(function.size()));
 }
 
-// Site i as a new (kind, frame, stack) tuple: the kind of torchmem.records.frames of the
-// frame that names it, that frame as (file, line, function), and the Python stack first
-// seen there, as such frames, innermost first; None for no such site. Call with the GIL
-// held. What it reads is copied out under sites_mutex first: building Python objects can
-// run a collection, whose finalizers may allocate.
+// Stack i as a new (kind, frame, stack) tuple: the kind of torchmem.records.frames of the
+// frame that names its site, that frame as (file, line, function), and the whole Python
+// stack, as such frames, innermost first; None for no such stack. Call with the GIL held.
+// What it reads is copied out under sites_mutex first: building Python objects can run a
+// collection, whose finalizers may allocate.
 PyObject* torchmem_record_site(int64_t i) {
   int kind = kOther;
   std::vector<std::tuple<std::string, int, std::string>> frames;
   try {
     std::lock_guard<std::mutex> lock(sites_mutex);
-    if (i < 0 || i >= static_cast<int64_t>(sites.size())) {
+    if (i < 0 || i >= static_cast<int64_t>(stacks.size())) {
       Py_RETURN_NONE;
     }
     kind = site_kinds[static_cast<size_t>(i)];
     const auto text = [](int32_t id) { return texts[static_cast<size_t>(id)]; };
-    const SiteFrame& site = sites[static_cast<size_t>(i)];
+    const Walked& stack = *stacks[static_cast<size_t>(i)];
+    const SiteFrame& site = stack.frames[stack.chosen];
     frames.emplace_back(text(site.file), site.line, text(site.function));
-    for (const SiteFrame& frame : stacks[static_cast<size_t>(i)]) {
+    for (const SiteFrame& frame : stack.frames) {
       frames.emplace_back(text(frame.file), frame.line, text(frame.function));
     }
   } catch (...) {

@@ -118,10 +118,11 @@ class CpuAllocatorLibrary:
 
     def record_start(self, sites: bool) -> int:
         """Start logging every allocation and free (see :meth:`take`), with the
-        allocation's site where `sites` is true: the frame that the rule of
-        :mod:`torchmem.records.frames` picks from the allocating thread's Python stack (the
-        library calls that rule's regular expression on each new code object). A thread
-        Python does not know has no site (:data:`NO_PYTHON_SITE`).
+        allocation's stack where `sites` is true: the allocating thread's Python stack and
+        the frame of it that the rule of :mod:`torchmem.records.frames` picks (the library
+        follows that rule on each new code object), as the index of that stack in a table
+        that keeps each distinct one once (:meth:`record_site`). A thread Python does not
+        know has no site (:data:`NO_PYTHON_SITE`).
 
         Recordings may nest and overlap (a ``torchmem.record()`` inside ``torchmem run``,
         or inside a test the pytest plugin records): they share one log, which starts
@@ -157,16 +158,16 @@ class CpuAllocatorLibrary:
     def take(self, rows: int) -> np.ndarray:
         """Move up to `rows` of the log's oldest rows out of it, as an int64 array of
         shape (n, 6): the columns of :mod:`torchmem.events.tally` (time on
-        ``time.monotonic_ns()``'s clock, data pointer, bytes (negative for a free), site
+        ``time.monotonic_ns()``'s clock, data pointer, bytes (negative for a free), stack
         index (:data:`NO_PYTHON_SITE`, :data:`NO_FRAME_SITE`, or -1: none), the sequence
         number a free names (-1: allocated before the log started), kind)."""
         out = np.empty((rows, 6), np.int64)
         return out[: int(self._py.torchmem_record_take(out.ctypes.data, rows))]
 
     def record_site(self, index: int) -> tuple[int, frames.Frame, frames.Stack] | None:
-        """Site `index` of the last recording: the kind (:mod:`torchmem.records.frames`)
-        and frame of the frame that names it, and the Python stack first seen there,
-        innermost first; None where there is no such site."""
+        """Stack `index` of the last recording: the kind (:mod:`torchmem.records.frames`)
+        and frame of the frame that names its site, and the whole Python stack, innermost
+        first; None where there is no such stack."""
         if not self.records_sites:
             return None
         found = self._py.torchmem_record_site(index)

@@ -191,10 +191,40 @@ def own_file(file: str) -> bool:
 _TORCHMEM = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "")
 
 
+def _working_directory() -> str | None:
+    try:
+        return os.getcwd()
+    except OSError:  # removed since: no file is shown relative to it
+        return None
+
+
+_CWD = _working_directory()
+"""The working directory torchmem started in (before the user's script could change it):
+what a script's path given on the command line is relative to."""
+
+
+@functools.lru_cache(maxsize=8192)
+def shown(file: str) -> str:
+    """`file` in the one form torchmem shows a Python file in: relative to the working
+    directory torchmem started in where the file is under it, else absolute (Python names a
+    script by the path it was given, ``train.py``, and a module it imports by its absolute
+    path). Pseudo files (``<stdin>``, ``backward of ...``, a notebook's ``In [4]``) are
+    left as they are."""
+    if _CWD is None or not file.endswith(_PYTHON_FILES) or file.startswith("<"):
+        return file
+    full = os.path.normpath(os.path.join(_CWD, file))
+    try:
+        inside = os.path.relpath(full, _CWD)
+    except ValueError:  # on another drive (Windows)
+        return full
+    return full if inside.startswith(os.pardir + os.sep) else inside
+
+
 class SiteKey(tuple[str, int, str]):
     """A site's ``(file, line, function)``, equal to and hashed as that plain tuple, that
-    carries the stack it was first seen with: a table of bytes per site keeps the first
-    key it was given, so the stack comes along without a second table."""
+    carries the stack of the allocation it was made for: a table of bytes per site keeps
+    the first key it was given, a table per stack keys them by ``(key, key.stack)``. Files
+    are in the form :func:`shown` gives."""
 
     stack: Stack
     path: str
@@ -203,10 +233,9 @@ class SiteKey(tuple[str, int, str]):
 
     def __new__(cls, frame: Frame, stack: Stack) -> SiteKey:
         path = frame[0]
-        named = _cell_names()
-        if named is not None:  # in IPython: a cell's file is named after the cell
-            frame = (named(frame[0]), *frame[1:])
-            stack = tuple((named(f[0]), *f[1:]) for f in stack)
+        named = _cell_names() or shown  # in IPython, a cell's file is named after the cell
+        frame = (named(frame[0]), *frame[1:])
+        stack = tuple((named(f[0]), *f[1:]) for f in stack)
         key = super().__new__(cls, frame)
         key.stack = stack
         key.path = path
@@ -228,8 +257,8 @@ def located(file: str, line: int) -> str:
 def _cell_names() -> Callable[[str], str] | None:
     """In an IPython shell or Jupyter kernel, the function that names the file of a cell's
     code after its cell (``In [4]``, where the file is ``<ipython-input-4-...>`` or
-    ipykernel's ``/tmp/ipykernel_<pid>/<hash>.py``) and leaves any other file as it is;
-    elsewhere None. Reads IPython's own map (``format_code_name``, as its tracebacks'
+    ipykernel's ``/tmp/ipykernel_<pid>/<hash>.py``) and any other file as :func:`shown`
+    does; elsewhere None. Reads IPython's own map (``format_code_name``, as its tracebacks'
     ``Cell In[4], line 3``); imports nothing."""
     ipython = sys.modules.get("IPython")
     shell = ipython.get_ipython() if ipython is not None else None
@@ -239,6 +268,6 @@ def _cell_names() -> Callable[[str], str] | None:
 
     def named(file: str) -> str:
         found = label(file)
-        return file if found is None else str(found[1]).replace("In[", "In [")  # "In[4]"
+        return shown(file) if found is None else str(found[1]).replace("In[", "In [")  # "In[4]"
 
     return named

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from torchmem.records.frames import Stack
+from torchmem.records.sites import Site as Site, SiteStack as SiteStack
 from torchmem.records.whatif import WhatIf
 
 CATEGORIES = (
@@ -23,49 +23,6 @@ CATEGORIES = (
 )
 """What a byte can be, in the order reports list them. A storage that is several things
 (a weight autograd saved for backward) counts as the first of them."""
-
-
-@dataclass(frozen=True)
-class Site:
-    """A source line whose allocations were alive at the peak: the innermost frame of the
-    user's own code (see :mod:`torchmem.records.frames`)."""
-
-    file: str
-    """The source file; ``<before recording>`` for memory allocated before the recording
-    started, ``<no Python frame>`` for allocations made by threads Python does not run
-    (PyTorch's intra-op workers), ``backward of <module> (<class>)`` (``backward`` where
-    no module is known) for those autograd's engine made while computing that module's
-    gradients."""
-    line: int
-    """The line number (0 for the pseudo files above)."""
-    function: str
-    """The function's qualified name, ``<module>`` for a script's top level."""
-    bytes: int
-    """Bytes allocated there and alive at the peak."""
-    stack: Stack = field(default=(), compare=False)
-    """The Python stack of the first allocation seen there, innermost first, as
-    ``(file, line, function)``: library lines one look away. Empty where none was kept."""
-    source: str | None = field(default=None, compare=False)
-    """The text of the line, stripped (``"h = torch.relu(self.fc1(x))"``), read when the
-    report was made; None for the pseudo files and where the file cannot be read."""
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "file": self.file,
-            "line": self.line,
-            "function": self.function,
-            "bytes": self.bytes,
-            "stack": [list(frame) for frame in self.stack],
-            "source": self.source,
-        }
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> Site:
-        """The site that :meth:`to_json` wrote (``stack`` and ``source`` may be missing:
-        older reports)."""
-        stack = tuple((str(f), int(n), str(fn)) for f, n, fn in data.get("stack", ()))
-        source = data.get("source")
-        return cls(data["file"], data["line"], data["function"], data["bytes"], stack, source)
 
 
 @dataclass(frozen=True)

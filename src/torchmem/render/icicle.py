@@ -3,9 +3,10 @@ down) as HTML.
 
 The root is everything alive at the peak; under it each stack's outermost frame, and so
 on inwards, each box as wide as the bytes alive at the peak that were allocated below it.
-A site's bytes end at its own line (the innermost frame of its stack, or the site itself
-where the stack does not reach it); a site without a stack (memory from before the
-recording, autograd's engine) is a box right under the root. Bytes alive at the peak that
+Each of a site's stacks (:attr:`Site.stacks`: one per way its line was reached) carries
+its own bytes down to its innermost frame (and to the site's own line where the stack does
+not reach it); a site's bytes that no stack holds (memory from before the recording, a
+site whose stack was not recorded) are a box right under the root. Bytes alive at the peak that
 no site names (none where the recording kept every site) are one box of their own, so the
 root is the peak. Each box's tooltip names the frame and, for the user's own lines, the
 text of the line.
@@ -63,13 +64,20 @@ def source_line(file: str, line: int) -> str | None:
     return text or None
 
 
-def _path(site: Site) -> list[Frame]:
-    """The frames from the outermost in to the site's own line."""
+def _paths(site: Site) -> list[tuple[int, list[Frame]]]:
+    """The bytes of each of the site's stacks with its frames from the outermost in to the
+    site's own line; then the bytes no stack holds, with the site's line alone."""
     own = (site.file, site.line, site.function)
-    path = list(reversed(site.stack))
-    if not any(frame[:2] == own[:2] for frame in path):
-        path.append(own)
-    return path
+    found = []
+    for nbytes, stack in site.stacks:
+        path = list(reversed(stack))
+        if not any(frame[:2] == own[:2] for frame in path):
+            path.append(own)
+        found.append((nbytes, path))
+    rest = site.bytes - sum(s.bytes for s in site.stacks)
+    if rest > 0 or not site.stacks:
+        found.append((rest, [own]))
+    return found
 
 
 def tree(run: DeviceRun) -> Node:
@@ -77,24 +85,29 @@ def tree(run: DeviceRun) -> Node:
     the root holds the peak (sites and what no site names)."""
     root = Node(None)
     for site in run.sites_at_peak:
-        node = root
-        root.bytes += site.bytes
-        path = _path(site)
-        for depth, frame in enumerate(path):
-            child = node.children.get(frame)
-            if child is None:
-                user = kind(frame[0], frame[2]) == USER
-                text = site.source if depth == len(path) - 1 and site.source else None
-                if text is None and user:
-                    text = source_line(frame[0], frame[1])
-                child = node.children[frame] = Node(frame, source=text)
-            child.bytes += site.bytes
-            node = child
+        for nbytes, path in _paths(site):
+            _add(root, site, nbytes, path)
     rest = run.peak_bytes - root.bytes
     if rest > 0:
         root.children[(UNNAMED, 0, "")] = Node((UNNAMED, 0, ""), rest)
         root.bytes += rest
     return root
+
+
+def _add(root: Node, site: Site, nbytes: int, path: list[Frame]) -> None:
+    """Add `nbytes` of `site` under `root`, along `path` (outermost first)."""
+    node = root
+    root.bytes += nbytes
+    for frame in path:
+        child = node.children.get(frame)
+        if child is None:
+            user = kind(frame[0], frame[2]) == USER
+            text = site.source if frame[:2] == (site.file, site.line) else None
+            if text is None and user:
+                text = source_line(frame[0], frame[1])
+            child = node.children[frame] = Node(frame, source=text)
+        child.bytes += nbytes
+        node = child
 
 
 def boxes(root: Node) -> list[Box]:

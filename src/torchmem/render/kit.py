@@ -9,7 +9,8 @@ import html as markup
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from torchmem.records.frames import Stack, located
+from torchmem.records.frames import located
+from torchmem.records.sites import SiteStack
 from torchmem.render.text import encodable, table
 from torchmem.units import readable_size
 
@@ -78,9 +79,10 @@ class Section:
     left: tuple[int, ...] = (0,)
     header: tuple[str, ...] | None = None
     more: str = ""
-    stacks: Sequence[Stack] = ()
-    """Per row, the stack of the site in its second cell: HTML shows it on demand (a
-    ``<details>`` in that cell); text leaves it out."""
+    stacks: Sequence[tuple[SiteStack, ...]] = ()
+    """Per row, the stacks of the site in its second cell: HTML shows them on demand (a
+    ``<details>`` in that cell, each stack under its bytes where there are several); text
+    leaves them out."""
     code: tuple[int, ...] = ()
     """Columns of source text: in HTML monospace, free to wrap, never cut."""
 
@@ -126,27 +128,31 @@ def _cell(tag: str, value: str, left: bool, code: bool = False) -> str:
     return f"<{tag}{_LEFT if left else ''}>{_text(value)}</{tag}>"
 
 
-def _stack_cell(value: str, stack: Stack) -> str:
-    """A site's cell whose stack opens on a click: no script, a ``<details>``."""
-    frames = "".join(
-        f"<li><code>{markup.escape(located(file, line))}</code> {markup.escape(function)}</li>"
-        for file, line, function in stack
-    )
-    return (
-        f"<td{_LEFT}><details><summary>{_text(value)}</summary>"
-        f'<ol style="margin: 2px 0; padding-left: 1.6em; text-align: left">{frames}</ol>'
-        "</details></td>"
-    )
+def _stack_cell(value: str, stacks: tuple[SiteStack, ...]) -> str:
+    """A site's cell whose stacks open on a click: no script, a ``<details>``; each stack
+    under its bytes where there are several."""
+    shown = []
+    for nbytes, stack in stacks:
+        frames = "".join(
+            f"<li><code>{markup.escape(located(file, line))}</code> {markup.escape(function)}</li>"
+            for file, line, function in stack
+        )
+        if len(stacks) > 1:
+            shown.append(f'<div style="text-align: left">{readable_size(nbytes)}:</div>')
+        shown.append(
+            f'<ol style="margin: 2px 0; padding-left: 1.6em; text-align: left">{frames}</ol>'
+        )
+    return f"<td{_LEFT}><details><summary>{_text(value)}</summary>{''.join(shown)}</details></td>"
 
 
 def section_html(section: Section) -> str:
     """`section` as HTML: an ``<h4>`` title, a table, and a paragraph on what was left out.
-    A row's stack, where it has one, opens under its site on a click."""
+    A row's stacks, where it has any, open under its site on a click."""
 
-    def row(cells: tuple[str, ...], tag: str, stack: Stack = ()) -> str:
+    def row(cells: tuple[str, ...], tag: str, stacks: tuple[SiteStack, ...] = ()) -> str:
         inner = "".join(
-            _stack_cell(c, stack)
-            if i == 1 and stack
+            _stack_cell(c, stacks)
+            if i == 1 and stacks
             else _cell(tag, c, i in section.left, tag == "td" and i in section.code)
             for i, c in enumerate(cells)
         )
@@ -156,7 +162,7 @@ def section_html(section: Section) -> str:
     head = f"<thead>{row(section.header, 'th')}</thead>" if section.header else ""
     stacks = list(section.stacks) or [()] * len(section.rows)
     body = "".join(
-        row(cells, "td", stack) for cells, stack in zip(section.rows, stacks, strict=True)
+        row(cells, "td", found) for cells, found in zip(section.rows, stacks, strict=True)
     )
     more = f"<p>{markup.escape(section.more)}</p>" if section.more else ""
     table = (

@@ -126,7 +126,7 @@ def _sites(run: DeviceRun, top: int, width: int | None = None) -> Section | None
         rows,
         left=(1, 2, 3),
         more=more(len(hidden), "site", sum(s.bytes for s in hidden)),
-        stacks=[s.stack for s in shown],
+        stacks=[s.stacks for s in shown],
         code=(3,),
     )
 

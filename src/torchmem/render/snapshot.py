@@ -91,7 +91,7 @@ def _sites(device: DeviceSnapshot, top: int) -> Section | None:
         rows,
         left=(1, 2),
         more=more(len(sites) - top, "site"),
-        stacks=[s.stack for s in sites[:top]],
+        stacks=[s.stacks for s in sites[:top]],
     )
 
 

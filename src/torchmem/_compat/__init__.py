@@ -187,6 +187,26 @@ storage_key: Callable[[torch.UntypedStorage], int] = (
 per storage however many Python objects stand for it (``data_ptr()`` would not do: it is
 0 for every meta tensor and every empty one)."""
 
+_SHARED_MAKERS = ("_new_shared_fd_cpu", "_new_shared_filename_cpu")
+_SHARED_NEW = ("_new_using_fd_cpu", "_new_using_filename_cpu")
+_SHARED_MOVERS = ("_share_fd_cpu_", "_share_filename_cpu_")
+
+
+def _storage_methods(names: tuple[str, ...]) -> tuple[str, ...]:
+    return tuple(name for name in names if lookup(f"torch.UntypedStorage.{name}") is not None)
+
+
+RECEIVED_STORAGES = _storage_methods(_SHARED_MAKERS)
+"""``UntypedStorage``'s static methods that map a storage another process put in shared
+memory (how ``torch.multiprocessing`` unpickles one: a DataLoader worker's batch); those
+this PyTorch has. Each returns the new storage."""
+SHARED_STORAGES = _storage_methods(_SHARED_NEW)
+"""``UntypedStorage``'s static methods that make a new storage in shared memory
+(``UntypedStorage._new_shared``); those this PyTorch has."""
+STORAGE_MOVES = _storage_methods(_SHARED_MOVERS)
+"""``UntypedStorage``'s methods that move a storage into shared memory in place
+(``share_memory_()``, and pickling one for another process); those this PyTorch has."""
+
 # CUDA allocator history ----------------------------------------------------------------
 # PyTorch keeps one allocator history per process. Re-enabling it keeps what it holds (unless
 # asked to clear it); disabling it (enabled=None) throws it away; a smaller max_entries drops

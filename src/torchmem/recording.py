@@ -171,7 +171,7 @@ class Recording:
                 self._ram_kept()
                 self._ram_kept = None
             if self._workers is not None:
-                self._seen = self._workers.end()
+                self._seen = self._workers.end(self._stopped)
             if self._storages is not None:
                 self._storages.unwatch()
                 self._received = self._storages.received - self._received

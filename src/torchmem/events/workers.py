@@ -42,14 +42,20 @@ class WorkerSampler:
         self._thread = background_thread(self._run, "torchmem-workers")
         self._thread.start()
 
-    def end(self) -> Workers:
-        """Stop reading (after one last reading); the workers seen."""
+    def end(self, stop: int) -> Workers:
+        """Stop reading, after one last reading, which counts as made at `stop` (the
+        recording's end, ``time.monotonic_ns()``); the workers seen."""
         self._halt.set()
         if self._thread is not None:
             self._thread.join()
         self._read()
         found = [
-            Worker(pid, peak, (first - self._origin) / 1e9, (last - self._origin) / 1e9)
+            Worker(
+                pid,
+                peak,
+                (min(first, stop) - self._origin) / 1e9,
+                (min(last, stop) - self._origin) / 1e9,
+            )
             for (pid, _), (peak, first, last) in self._seen.items()
         ]
         return Workers(tuple(sorted(found, key=lambda w: (w.first_seen, w.pid))), INTERVAL)

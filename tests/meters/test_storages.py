@@ -237,3 +237,31 @@ def test_a_recording_logs_each_at_the_line_that_brought_it_in(cpu, floats):
     first = test_a_recording_logs_each_at_the_line_that_brought_it_in.__code__.co_firstlineno
     assert lines[mapped_file.untyped_storage().data_ptr()] == ("test_storages.py", first + 5)
     assert lines[t.untyped_storage().data_ptr()] == ("test_storages.py", first + 6)
+
+
+def test_a_storage_brought_in_without_a_line_of_the_users_is_sited_past_torchmem(cpu, floats):
+    """A thread running PyTorch's function itself: the innermost frame is the wrapper's,
+    which names no site; the innermost of the others does."""
+    import concurrent.futures
+
+    import torchmem
+
+    with torchmem.record("cpu") as rec, concurrent.futures.ThreadPoolExecutor(1) as pool:
+        mapped_file = pool.submit(torch.from_file, str(floats), size=MiB, dtype=torch.float32)
+        t = mapped_file.result()
+    file, _, function = rec.sites_alive("cpu")[t.untyped_storage().data_ptr()]
+    assert (Path(file).parts[-2:], function) == (("futures", "thread.py"), "_WorkItem.run")
+
+
+@pytest.mark.cuda
+def test_pinned_memory_counts_while_a_window_is_open(cpu):
+    """Pinned memory comes from the accelerator's host allocator; pinning a pinned tensor
+    gives the tensor itself, no new memory."""
+    t = torch.ones(MiB)
+    used, peak, pinned = change(cpu, t.pin_memory)
+    assert pinned.is_pinned() and (used, peak) == (4 * MiB, 4 * MiB)
+    assert change(cpu, pinned.pin_memory)[:2] == (0, 0)
+    before = cpu.used()
+    del pinned
+    assert before - cpu.used() == 4 * MiB
+    assert vars(torch.Tensor).get("pin_memory") is None  # PyTorch's own, from TensorBase

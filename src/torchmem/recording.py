@@ -337,9 +337,9 @@ class Recording:
             else "it is read where the recording measures process RAM, on Linux"
         )
         return [
-            f"{self._received:,} tensor storages came from other processes' shared memory"
-            f" (DataLoader workers' batches): counted here from their arrival; the workers'"
-            f" own RAM was not recorded ({why})."
+            f"{self._received:,} tensor storages came from other processes through shared"
+            " memory (a DataLoader's workers, torch.multiprocessing): counted here from their"
+            f" arrival; the RAM of the processes that made them was not recorded ({why})."
         ]
 
     def _with_steps(

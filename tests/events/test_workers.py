@@ -118,7 +118,7 @@ def test_a_recording_of_ram_reads_each_workers_peak_rss() -> None:
     read = [w.peak_rss_bytes for w in workers.processes]
     assert all(a <= b <= c for a, b, c in zip(before, read, after, strict=True))
     assert all(0 <= w.first_seen <= w.last_seen <= rec.report().duration for w in workers.processes)
-    assert not any("were not recorded" in note for note in rec.report().notes)
+    assert not any("was not recorded" in note for note in rec.report().notes)
     del iterator
 
 
@@ -131,7 +131,8 @@ def test_a_recording_of_cpu_tensors_alone_says_the_workers_were_not_recorded() -
     assert report.workers is None
     assert len(batches) == 8
     assert [n for n in report.notes if "DataLoader" in n] == [
-        "8 tensor storages came from other processes' shared memory (DataLoader workers'"
-        " batches): counted here from their arrival; the workers' own RAM was not recorded"
-        " (it is read where the recording measures process RAM, on Linux)."
+        "8 tensor storages came from other processes through shared memory (a DataLoader's"
+        " workers, torch.multiprocessing): counted here from their arrival; the RAM of the"
+        " processes that made them was not recorded (it is read where the recording"
+        " measures process RAM, on Linux)."
     ]

@@ -67,6 +67,9 @@ class Storages:
         self._watchers = 0
         self._lock = threading.RLock()  # a finalizer may close a window inside watch()
         self._undo: list[tuple[object, str, object]] = []
+        self._targets: list[tuple[object, str, Callable[[Any], Any]]] | None = None
+        self._made: dict[tuple[int, str], tuple[object, object]] = {}
+        """(id of the owner, name) -> (PyTorch's function, its wrapper)."""
         self.received = 0
         """Storages that another process put in shared memory and this one mapped (a
         DataLoader worker's batch), counted since the process started."""
@@ -88,12 +91,17 @@ class Storages:
                 self._uninstall()
 
     def _install(self) -> None:
-        for owner, name, wrap in self._wrappers():
+        if self._targets is None:
+            self._targets = self._wrappers()
+        for owner, name, wrap in self._targets:
             if not self._watchers:  # an unwatch came in between (a finalizer, this thread)
                 return
             original = getattr(owner, name)
+            made = self._made.get((id(owner), name))
+            if made is None or made[0] is not original:  # made once: windows come and go
+                made = self._made[id(owner), name] = (original, wrap(original))
             self._undo.append((owner, name, vars(owner).get(name, _ABSENT)))
-            setattr(owner, name, wrap(original))
+            setattr(owner, name, made[1])
 
     def _uninstall(self) -> None:
         while self._undo:

@@ -24,8 +24,8 @@ cpu     0.00B  8.00M  1.50s  4.00M
 
 DataLoader workers (processes of their own):
   worker pid  peak RSS  first seen  last seen
-  4242        ~300.00M       0.35s      1.90s
   4243          ~2.00G       0.40s      1.95s
+  4242        ~300.00M       0.35s      1.90s
   ~ sampled: read from /proc every 0.05s (a rise after the last reading is missed); RSS\
  counts the pages a worker shares with this process (inherited at fork, batches in shared\
  memory)."""
@@ -33,6 +33,19 @@ DataLoader workers (processes of their own):
 
 def test_text_shows_each_worker_after_the_devices() -> None:
     assert render.text(RECORD, width=100) == EXPECTED
+
+
+def test_top_lists_the_highest_peaks_and_says_how_many_more() -> None:
+    head = EXPECTED[: EXPECTED.index("DataLoader workers")]
+    assert render.text(RECORD, top=1, width=100) == head + (
+        """\
+DataLoader workers (processes of their own):
+  worker pid  peak RSS  first seen  last seen
+  4243          ~2.00G       0.40s      1.95s
+  ... and 1 more worker. ~ sampled: read from /proc every 0.05s (a rise after the last\
+ reading is missed); RSS counts the pages a worker shares with this process (inherited at\
+ fork, batches in shared memory)."""
+    )
 
 
 def test_no_worker_seen_or_none_looked_for_shows_nothing() -> None:
@@ -50,7 +63,7 @@ def test_html_has_the_workers_table_after_the_devices_and_their_charts() -> None
     charts = [i for i, c in enumerate(children) if c.tag == "svg" or c.find(".//svg") is not None]
     assert charts and max(charts) < titles[0]
     cells = ["".join(c.itertext()) for c in root.iter("td")]
-    assert cells[-8:] == ["4242", "~300.00M", "0.35s", "1.90s", "4243", "~2.00G", "0.40s", "1.95s"]
+    assert cells[-8:] == ["4243", "~2.00G", "0.40s", "1.95s", "4242", "~300.00M", "0.35s", "1.90s"]
 
 
 def test_the_json_holds_the_workers_and_reads_back() -> None:

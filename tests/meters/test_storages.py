@@ -265,3 +265,16 @@ def test_pinned_memory_counts_while_a_window_is_open(cpu):
     del pinned
     assert before - cpu.used() == 4 * MiB
     assert vars(torch.Tensor).get("pin_memory") is None  # PyTorch's own, from TensorBase
+
+
+def test_a_function_the_program_replaced_meanwhile_stays_its_own(cpu):
+    def programs(*args, **kwargs):
+        return PYTORCHS_FROM_FILE(*args, **kwargs)
+
+    try:
+        with cpu.window():
+            torch.from_file = programs
+        assert torch.from_file is programs
+    finally:
+        torch.from_file = PYTORCHS_FROM_FILE
+    assert pytorchs_own()

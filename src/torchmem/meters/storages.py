@@ -66,7 +66,8 @@ class Storages:
         """Each counted storage alive, by :func:`~torchmem._compat.storage_key`."""
         self._watchers = 0
         self._lock = threading.RLock()  # a finalizer may close a window inside watch()
-        self._undo: list[tuple[object, str, object]] = []
+        self._undo: list[tuple[object, str, object, object]] = []
+        """(owner, name, what it held, the wrapper put there), in the order installed."""
         self._targets: list[tuple[object, str, Callable[[Any], Any]]] | None = None
         self._made: dict[tuple[int, str], tuple[object, object]] = {}
         """(id of the owner, name) -> (PyTorch's function, its wrapper)."""
@@ -100,12 +101,16 @@ class Storages:
             made = self._made.get((id(owner), name))
             if made is None or made[0] is not original:  # made once: windows come and go
                 made = self._made[id(owner), name] = (original, wrap(original))
-            self._undo.append((owner, name, vars(owner).get(name, _ABSENT)))
+            self._undo.append((owner, name, vars(owner).get(name, _ABSENT), made[1]))
             setattr(owner, name, made[1])
 
     def _uninstall(self) -> None:
+        """Put back what each name held, unless the program has put something else there
+        since: that stays."""
         while self._undo:
-            owner, name, old = self._undo.pop()
+            owner, name, old, mine = self._undo.pop()
+            if vars(owner).get(name) is not mine:
+                continue
             if old is _ABSENT:
                 delattr(owner, name)
             else:

@@ -244,6 +244,38 @@ def test_a_leak_lists_the_tensors_that_stayed_named_after_the_line_that_made_the
     )
 
 
+def test_a_leak_of_dataloader_workers_batches_is_named_after_the_loop(
+    pytester: pytest.Pytester, no_gpu_anywhere: None
+) -> None:
+    """The batches arrive in shared memory, which the CPU allocator does not make."""
+    pytester.makepyfile(
+        test_batches="""
+        import pytest
+        import torch
+        from torch.utils.data import DataLoader, TensorDataset
+
+        SEEN = []
+
+        @pytest.mark.limit_leaks(0)
+        def test_keeps_every_batch():
+            data = TensorDataset(torch.zeros(256, 256))
+            loader = DataLoader(data, batch_size=64, num_workers=2, multiprocessing_context="fork")
+            for (x,) in loader:
+                SEEN.append(x)
+        """
+    )
+    result = run_here(pytester)
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "Test was limited to leaking 0.00B but kept 256.00K on cpu (262,144 bytes more *",
+            "*",
+            "Allocated at:",
+            "  256.00K  */test_batches.py:11  test_keeps_every_batch  for (x,) in loader:",
+        ]
+    )
+
+
 FIXTURES = """
 import pytest
 import torch

@@ -816,6 +816,7 @@ def process_state() -> dict[str, object]:
         "_saved_tensors_hooks_disable": torch._C._autograd._saved_tensors_hooks_disable,
         "threads": sorted(t.name for t in threading.enumerate() if t.name.startswith("torch")),
         "trace": sys.gettrace(),
+        "storage functions": (dict(vars(torch.UntypedStorage)), torch.from_file),
     }
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import os
 import sys
 import time
 from collections.abc import Callable, Mapping
@@ -22,11 +23,14 @@ from torchmem.events.holders import holders
 from torchmem.events.hooks import Watcher
 from torchmem.events.notes import Notes, Variable
 from torchmem.events.sources import CpuLog, CudaLog, Laps, Tallied
-from torchmem.meters import Meter, meter
+from torchmem.events.workers import WorkerSampler
+from torchmem.meters import CpuAllocatorMeter, Meter, meter
 from torchmem.meters.ram import RamMeter
+from torchmem.meters.storages import Storages
 from torchmem.records import TOP
 from torchmem.records.frames import SiteKey
 from torchmem.records.run import DeviceRun, Growth, ModulePeak, RunRecord
+from torchmem.records.workers import Workers
 from torchmem.report import Report
 from torchmem.resolve import RAM, DeviceLike, measured
 
@@ -52,6 +56,12 @@ class Recording:
         self.sites = sites
         self._watcher: Watcher | None = None
         self._cpu: CpuLog | None = None
+        self._workers: WorkerSampler | None = None
+        self._seen: Workers | None = None
+        self._storages: Storages | None = None
+        self._received = 0
+        """Storages mapped from other processes' shared memory (at the start, then while
+        it recorded)."""
         self._cuda: CudaLog | None = None
         self._laps: list[Laps] = []
         self._ram_kept: Callable[[], bool] | None = None
@@ -109,13 +119,22 @@ class Recording:
             # where it is the process's highest yet, as it is for nearly every script.
             assert isinstance(ram, RamMeter)
             self._ram_kept = ram.keep_high_water_mark()
+            if os.path.isdir("/proc/self/task"):
+                self._workers = WorkerSampler()
         # Made before anything counts: wrapping the hooks may import Dynamo.
         watcher = Watcher() if self._cpu is not None or self._cuda is not None else None
         self._started = time.monotonic_ns()
         for laps in self._laps:
             laps.begin(self._started)
+        if self._workers is not None:
+            self._workers.begin(self._started)
         if self._cpu is not None:
             self._cpu.start(self._started)
+            assert isinstance(self._cpu.meter, CpuAllocatorMeter)
+            # Storages that other allocators make (shared memory, mapped files) count too.
+            self._storages = self._cpu.meter.storages
+            self._received = self._storages.received
+            self._storages.watch()
         if self._cuda is not None:
             self._cuda.start(self._started)
         if watcher is not None:
@@ -151,6 +170,11 @@ class Recording:
             if self._ram_kept is not None:
                 self._ram_kept()
                 self._ram_kept = None
+            if self._workers is not None:
+                self._seen = self._workers.end(self._stopped)
+            if self._storages is not None:
+                self._storages.unwatch()
+                self._received = self._storages.received - self._received
             if self._cpu is not None:
                 self._logs.append(self._cpu.stop())
             if self._cuda is not None:
@@ -290,17 +314,33 @@ class Recording:
                 "CPU allocation sites were not recorded: they need Python 3.10 to 3.13 with"
                 " the GIL, and Python's headers where torchmem was built."
             )
-        phases = watcher.phases.read(self._started)
         duration = (self._stopped - self._started) / 1e9
         return RunReport(
             devices,
             modules,
             duration,
-            notes=tuple(notes),
-            phases=phases,
+            notes=(*notes, *self._workers_note()),
+            phases=watcher.phases.read(self._started),
             steps_by=steps_by,
+            workers=self._seen,
             top=top,
         )
+
+    def _workers_note(self) -> list[str]:
+        """The line that says the DataLoader workers' RAM was not recorded, where batches
+        came from other processes and no worker was read."""
+        if not self._received or (self._seen is not None and self._seen.processes):
+            return []
+        why = (
+            "no DataLoader worker was found among this process's children in /proc"
+            if self._seen is not None
+            else "it is read where the recording measures process RAM, on Linux"
+        )
+        return [
+            f"{self._received:,} tensor storages came from other processes through shared"
+            " memory (a DataLoader's workers, torch.multiprocessing): counted here from their"
+            f" arrival; the RAM of the processes that made them was not recorded ({why})."
+        ]
 
     def _with_steps(
         self, run: DeviceRun, found: Tallied, result: Kept, watcher: Watcher, names: Names

@@ -78,3 +78,70 @@ def test_the_json_and_the_summary_name_the_growth(tmp_path: Path) -> None:
         "64.00K each step from leaks.py:9 (`out = model(torch.randn(64, 256))`), held by list"
         " `history`" in done.stderr
     )
+
+
+KEEPS_BATCHES = textwrap.dedent(
+    """\
+    import sys
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    torch.manual_seed(0)
+    data = TensorDataset(torch.randn(512, 256), torch.randn(512, 256))
+    loader = DataLoader(data, batch_size=64, num_workers=int(sys.argv[1]), in_order=False)
+    model = torch.nn.Linear(256, 256, bias=False)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    kept = []
+    for x, y in loader:
+        loss = (model(x) - y).square().mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        kept.append(x)
+    """
+)
+"""Each step keeps its batch's inputs, 64 x 256 float32: 65,536 bytes, in ``kept``; from
+DataLoader workers (argument 2) they arrive in shared memory, each step the batch that came
+first (``in_order=False``)."""
+
+
+def test_batches_from_dataloader_workers_grow_at_the_loops_line_as_without(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "keeps.py").write_text(KEEPS_BATCHES)
+    reports, said = [], []
+    for workers in ("0", "2"):
+        out = f"out{workers}.json"
+        command = [sys.executable, "-m", "torchmem", "run", "--json", out, "keeps.py", workers]
+        done = subprocess.run(command, capture_output=True, text=True, cwd=tmp_path, timeout=300)
+        assert done.returncode == 0, done.stderr
+        reports.append(json.loads((tmp_path / out).read_text()))
+        said.append(done.stderr)
+    growth = reports[1]["growth"]
+    assert {k: growth[k] for k in ("bytes_per_step", "first_step", "exact")} == {
+        "bytes_per_step": 65_536,
+        "first_step": 1,
+        "exact": True,
+    }
+    assert growth["sites"] == [
+        {
+            "file": "keeps.py",
+            "line": 11,
+            "function": "<module>",
+            "bytes_per_step": 65_536,
+            "source": "for x, y in loader:",
+            "reason": "held by list `kept`",
+        }
+    ]
+    for key in ("start_bytes", "peak_bytes", "end_bytes", "growth", "categories_at_end"):
+        assert len({json.dumps(r["devices"]["cpu"][key]) for r in reports}) == 1, key
+    bytes_of = ("start_bytes", "peak_bytes", "end_bytes")
+    steps = [[[s[k] for k in bytes_of] for s in r["devices"]["cpu"]["steps"]] for r in reports]
+    assert steps[0] == steps[1] and len(steps[0]) == 8
+    workers = reports[1]["workers"]
+    assert workers["interval_s"] == 0.05 and not workers["exact"]
+    assert len(workers["processes"]) == 2
+    assert all(w["peak_rss_bytes"] > 0 for w in workers["processes"])
+    assert reports[0]["workers"] == {"interval_s": 0.05, "exact": False, "processes": []}
+    assert "DataLoader workers (processes of their own):" in said[1]
+    assert "DataLoader workers" not in said[0]

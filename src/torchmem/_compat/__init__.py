@@ -18,7 +18,7 @@ import inspect
 import operator
 import platform
 import types
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection
 from typing import Any, NoReturn, TypeVar
 
 import torch
@@ -199,6 +199,26 @@ storage_key: Callable[[torch.UntypedStorage], int] = (
 per storage however many Python objects stand for it (``data_ptr()`` would not do: it is
 0 for every meta tensor and every empty one)."""
 
+_SHARED_MAKERS = ("_new_shared_fd_cpu", "_new_shared_filename_cpu")
+_SHARED_NEW = ("_new_using_fd_cpu", "_new_using_filename_cpu")
+_SHARED_MOVERS = ("_share_fd_cpu_", "_share_filename_cpu_")
+
+
+def _storage_methods(names: tuple[str, ...]) -> tuple[str, ...]:
+    return tuple(name for name in names if lookup(f"torch.UntypedStorage.{name}") is not None)
+
+
+RECEIVED_STORAGES = _storage_methods(_SHARED_MAKERS)
+"""``UntypedStorage``'s static methods that map a storage another process put in shared
+memory (how ``torch.multiprocessing`` unpickles one: a DataLoader worker's batch); those
+this PyTorch has. Each returns the new storage."""
+SHARED_STORAGES = _storage_methods(_SHARED_NEW)
+"""``UntypedStorage``'s static methods that make a new storage in shared memory
+(``UntypedStorage._new_shared``); those this PyTorch has."""
+STORAGE_MOVES = _storage_methods(_SHARED_MOVERS)
+"""``UntypedStorage``'s methods that move a storage into shared memory in place
+(``share_memory_()``, and pickling one for another process); those this PyTorch has."""
+
 # CUDA allocator history ----------------------------------------------------------------
 # PyTorch keeps one allocator history per process. Re-enabling it keeps what it holds (unless
 # asked to clear it); disabling it (enabled=None) throws it away; a smaller max_entries drops
@@ -365,46 +385,6 @@ def own_buffers(module: torch.nn.Module) -> dict[str, torch.Tensor | None]:
     return module._buffers
 
 
-_PUSH_SAVED = lookup("torch._C._autograd._push_saved_tensors_default_hooks")
-_POP_SAVED = lookup("torch._C._autograd._pop_saved_tensors_default_hooks")
-_TOP_SAVED = lookup("torch._C._autograd._top_saved_tensors_default_hooks")
-_SAVED_ENABLED = lookup("torch._C._autograd._saved_tensors_hooks_is_enabled")
-
-
-def saved_tensors_hooks_enabled() -> bool:
-    """Whether saved-tensor hooks may be installed on this thread now (not inside a region
-    that forbids them, such as a ``torch.func`` transform)."""
-    return _SAVED_ENABLED is None or bool(_SAVED_ENABLED())
-
-
-def push_saved_tensors_hooks(
-    pack: Callable[[torch.Tensor], Any], unpack: Callable[[Any], Any]
-) -> None:
-    """Put (`pack`, `unpack`) on top of this thread's saved-tensor hook stack."""
-    if _PUSH_SAVED is None:
-        torch.autograd.graph.saved_tensors_hooks(pack, unpack).__enter__()
-    else:
-        _PUSH_SAVED(pack, unpack)
-
-
-def pop_saved_tensors_hooks() -> None:
-    """Take the top hooks off this thread's saved-tensor hook stack."""
-    if _POP_SAVED is None:
-        unsupported("torch._C._autograd._pop_saved_tensors_default_hooks", "A recording")()
-    _POP_SAVED()
-
-
-def saved_tensors_hooks_readable() -> bool:
-    """Whether this PyTorch can say which hooks are on the saved-tensor hook stack."""
-    return _TOP_SAVED is not None
-
-
-def top_saved_tensors_hooks() -> tuple[Callable[..., Any], Callable[..., Any]] | None:
-    """The hooks on top of this thread's saved-tensor hook stack; None for none, or where
-    this PyTorch cannot say."""
-    return None if _TOP_SAVED is None else _TOP_SAVED(True)
-
-
 def cxx11_abi() -> bool:
     """Whether torch was built with the C++11 ABI (``_GLIBCXX_USE_CXX11_ABI``); True where
     it does not say."""
@@ -469,24 +449,3 @@ class PlainTensorAccess:
     def __exit__(self, *exc_info: object) -> None:
         while self._entered:
             self._entered.pop().__exit__(None, None, None)
-
-
-_SAVED: dict[type, list[str]] = {}
-"""Per autograd node class, its ``_saved_*`` attributes."""
-
-
-def saved_tensors(node: Any) -> Iterator[torch.Tensor]:
-    """The tensors autograd node `node` (a ``grad_fn``) saved for backward, through its
-    ``_saved_<name>`` attributes (PyTorch's way to inspect them); none that a backward
-    pass freed."""
-    kind = type(node)
-    names = _SAVED.get(kind)
-    if names is None:
-        names = _SAVED[kind] = [n for n in dir(node) if n.startswith("_saved_")]
-    for name in names:
-        try:
-            value = getattr(node, name)
-        except Exception:  # freed by a backward pass, or not a tensor's
-            continue
-        if isinstance(value, torch.Tensor):
-            yield value

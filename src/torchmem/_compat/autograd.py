@@ -1,4 +1,5 @@
-"""Autograd's in-place check on saved tensors, kept under saved-tensor hooks.
+"""Saved-tensor hooks: this thread's stack of them, what an autograd node saved, and
+autograd's in-place check on saved tensors, kept under saved-tensor hooks.
 
 PyTorch checks that a tensor saved for the backward pass was not modified in place since
 (its version counter) only where no saved-tensor hooks are set: hooks that see every saved
@@ -14,13 +15,76 @@ import functools
 import re
 import threading
 import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
-from torchmem._compat import lookup
+from torchmem._compat import lookup, unsupported
 
 _SEQUENCE = lookup("torch._C._autograd._get_sequence_nr")
 _CURRENT_NODE = lookup("torch._C._current_autograd_node")
+
+_PUSH_SAVED = lookup("torch._C._autograd._push_saved_tensors_default_hooks")
+_POP_SAVED = lookup("torch._C._autograd._pop_saved_tensors_default_hooks")
+_TOP_SAVED = lookup("torch._C._autograd._top_saved_tensors_default_hooks")
+_SAVED_ENABLED = lookup("torch._C._autograd._saved_tensors_hooks_is_enabled")
+
+
+def saved_tensors_hooks_enabled() -> bool:
+    """Whether saved-tensor hooks may be installed on this thread now (not inside a region
+    that forbids them, such as a ``torch.func`` transform)."""
+    return _SAVED_ENABLED is None or bool(_SAVED_ENABLED())
+
+
+def push_saved_tensors_hooks(
+    pack: Callable[[torch.Tensor], Any], unpack: Callable[[Any], Any]
+) -> None:
+    """Put (`pack`, `unpack`) on top of this thread's saved-tensor hook stack."""
+    if _PUSH_SAVED is None:
+        torch.autograd.graph.saved_tensors_hooks(pack, unpack).__enter__()
+    else:
+        _PUSH_SAVED(pack, unpack)
+
+
+def pop_saved_tensors_hooks() -> None:
+    """Take the top hooks off this thread's saved-tensor hook stack."""
+    if _POP_SAVED is None:
+        unsupported("torch._C._autograd._pop_saved_tensors_default_hooks", "A recording")()
+    _POP_SAVED()
+
+
+def saved_tensors_hooks_readable() -> bool:
+    """Whether this PyTorch can say which hooks are on the saved-tensor hook stack."""
+    return _TOP_SAVED is not None
+
+
+def top_saved_tensors_hooks() -> tuple[Callable[..., Any], Callable[..., Any]] | None:
+    """The hooks on top of this thread's saved-tensor hook stack; None for none, or where
+    this PyTorch cannot say."""
+    return None if _TOP_SAVED is None else _TOP_SAVED(True)
+
+
+_SAVED: dict[type, list[str]] = {}
+"""Per autograd node class, its ``_saved_*`` attributes."""
+
+
+def saved_tensors(node: Any) -> Iterator[torch.Tensor]:
+    """The tensors autograd node `node` (a ``grad_fn``) saved for backward, through its
+    ``_saved_<name>`` attributes (PyTorch's way to inspect them); none that a backward
+    pass freed."""
+    kind = type(node)
+    names = _SAVED.get(kind)
+    if names is None:
+        names = _SAVED[kind] = [n for n in dir(node) if n.startswith("_saved_")]
+    for name in names:
+        try:
+            value = getattr(node, name)
+        except Exception:  # freed by a backward pass, or not a tensor's
+            continue
+        if isinstance(value, torch.Tensor):
+            yield value
+
 
 Saved = tuple[torch.Tensor, int, int, "weakref.ref[torch.Tensor] | None"]
 """What a saved tensor is packed into: a detached alias (the same storage and version

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from torchmem._compat import saved_tensors
+from torchmem._compat.autograd import saved_tensors
 from torchmem._objects import tracked
 
 DEPTH = 3

@@ -38,8 +38,6 @@ from torchmem._compat import (
     keep_dynamo_out,
     own_buffers,
     own_parameters,
-    push_saved_tensors_hooks,
-    saved_tensors_hooks_enabled,
     skip_dynamo_frames,
 )
 from torchmem._objects import models_and_optimizers
@@ -158,8 +156,8 @@ class Watcher:
         ]
         # Not inside a region that forbids saved-tensor hooks (a torch.func transform):
         # activations go unseen there, as in every region where ours step aside.
-        if saved_tensors_hooks_enabled():
-            push_saved_tensors_hooks(*self._saved_hooks)
+        if autograd.saved_tensors_hooks_enabled():
+            autograd.push_saved_tensors_hooks(*self._saved_hooks)
             self._saved = True
             saved.step_aside.watch(self._saved_hooks[0])
 

@@ -8,8 +8,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from torchmem._compat import (
-    lookup,
+from torchmem._compat import lookup
+from torchmem._compat.autograd import (
     pop_saved_tensors_hooks,
     push_saved_tensors_hooks,
     saved_tensors_hooks_readable,

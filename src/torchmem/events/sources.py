@@ -319,12 +319,12 @@ class CpuLog:
 
 
 def _site(kind_of_site: int, site: Frame, stack: Stack) -> SiteKey:
-    """A site of the CPU log: its frame, :data:`BACKWARD` where that is autograd engine's
-    entry point; torchmem's own frames are left out of its stack."""
+    """A site of the CPU log: its frame (torchmem's own passed over), :data:`BACKWARD` where
+    that is autograd engine's entry point; torchmem's own frames are left out of its stack."""
     kept = tuple(f for f in stack if not own_file(f[0]))
     if kind_of_site == ENGINE:
         return SiteKey((BACKWARD, 0, ""), kept)
-    return SiteKey(site, kept)
+    return SiteKey(kept[0] if kept and own_file(site[0]) else site, kept)
 
 
 class CudaLog:

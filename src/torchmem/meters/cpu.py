@@ -12,9 +12,12 @@ Two backends, chosen once per process at the first use of ``meter("cpu")``:
   trusted (one warning says why), or when ``TORCHMEM_CPU_METER=dispatch``.
 
 Storages alive before the meter started are adopted once, so freeing them later shows
-as a negative change, as on a GPU. Neither backend sees memory PyTorch's allocator did
-not make: ``torch.from_numpy``/DLPack, memory-mapped and shared-memory storages, and
-memory C++ code holds without a tensor.
+as a negative change, as on a GPU. The allocator's backend also counts the storages that
+come into the process through other allocators while a window is open or a recording
+runs: shared memory (DataLoader workers' batches, ``share_memory_()``), mapped files
+(``torch.from_file``, ``torch.load(mmap=True)``) and pinned memory (see
+:mod:`torchmem.meters.storages`). Neither backend sees memory borrowed from another
+library (``torch.from_numpy``, DLPack), nor memory C++ code holds without a tensor.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from torchmem._objects import subclasses, tracked
 from torchmem.errors import BuildError, TorchmemError, TorchmemWarning
 from torchmem.meters import native
 from torchmem.meters.base import Meter, Window, WindowRef, in_background
+from torchmem.meters.storages import Storages
 from torchmem.meters.tensor import TensorMeter, storages_of
 
 BACKENDS = ("allocator", "dispatch")
@@ -63,6 +67,9 @@ class CpuAllocatorMeter(Meter):
         (:data:`COUNTS` names them): what :meth:`counters` reads, as one list read at once,
         for callers that read them on every line (the line profiler)."""
         self._reset_peak = library.reset_peak
+        self.storages = Storages(library)
+        """The storages other allocators make (shared memory, mapped files, pinned
+        memory): counted while a window is open here or a recording runs."""
         for storage in live_storages():
             library.adopt(storage_key(storage))
 
@@ -110,6 +117,12 @@ class CpuAllocatorMeter(Meter):
                     peak = before
             window.start = current
         return peak, counts
+
+    def _on_open(self, ref: WindowRef) -> None:
+        self.storages.watch()
+
+    def _on_close(self, ref: WindowRef, dropped: bool = False) -> None:
+        self.storages.unwatch()
 
     def _peaks(self) -> dict[str, int]:
         return {"allocated_bytes.all": int(self._values[1])}

@@ -11,7 +11,9 @@
 // no header: a header would move their data off the page (see "Paged blocks").
 //
 // Storages made before the allocator was installed are adopted: their deleter (the
-// default allocator's) is swapped for one that counts them off when they die.
+// default allocator's) is swapped for one that counts them off when they die. Storages
+// that other allocators make (shared memory, mapped files, pinned memory) are counted
+// from Python as they come and go: see "Storages the allocator did not make".
 //
 // While a recording runs (torchmem.record, torchmem run), every allocation and free is
 // also appended to an event log, with the allocation's site: the frame that
@@ -1435,6 +1437,44 @@ PyObject* torchmem_record_functions() {
                        PyCFunction_New(&fast_functions[2], nullptr));
 }
 #endif
+
+// Storages the allocator did not make ------------------------------------------------
+//
+// Shared memory (a DataLoader worker's batch, share_memory_()), files mapped into memory
+// (torch.from_file, torch.load(mmap=True)) and pinned memory come from other allocators
+// (c10's MapAllocator, an accelerator's host allocator). torchmem.meters.storages sees each
+// come into the process (it wraps the functions that make them, while something measures)
+// and die (a finalizer on its Python storage, which PyTorch keeps alive as long as the
+// storage lives, and which runs before the memory is unmapped): it counts them here, as
+// allocations and frees of their own, in the counters and the log. Their deleters stay as
+// they are: PyTorch finds a storage's MapAllocator from its deleter.
+
+// Counts n bytes at data in, as an allocation, logged with the calling thread's site.
+// Call with the GIL held (ctypes.PyDLL); never throws.
+void torchmem_foreign_in(void* data, int64_t n) {
+  if (n <= 0) {
+    return;
+  }
+  counters.allocated.fetch_add(n, std::memory_order_relaxed);
+  counters.allocations.fetch_add(1, std::memory_order_relaxed);
+  grow(n);
+  if (recording.load(std::memory_order_relaxed)) {
+    record_alloc(data, n);
+  }
+}
+
+// Counts off, as a free, the n bytes at data that torchmem_foreign_in counted. Never throws.
+void torchmem_foreign_out(void* data, int64_t n) {
+  if (n <= 0) {
+    return;
+  }
+  shrink(n);
+  if (recording.load(std::memory_order_relaxed)) {
+    record_free(data, n);
+  }
+}
+
+// End of the storages the allocator did not make --------------------------------------
 
 // Frees the log and the sites. Call with the GIL held, after torchmem_record_stop.
 void torchmem_record_clear() {

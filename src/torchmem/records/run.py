@@ -12,6 +12,7 @@ from typing import Any
 
 from torchmem.records.sites import Site as Site, SiteStack as SiteStack
 from torchmem.records.whatif import WhatIf
+from torchmem.records.workers import Workers
 
 CATEGORIES = (
     "parameters",
@@ -277,6 +278,9 @@ class RunRecord:
     returns), ``"backward"`` (a run with no optimizer: where a backward pass through the
     outermost modules ends) or ``"forward"`` (neither: where a forward call of the first
     outermost module returns); None where no step ended."""
+    workers: Workers | None = None
+    """The DataLoader workers seen and their peak RSS, where the recording measured
+    process RAM on Linux; None where it did not look."""
 
     @property
     def growth(self) -> Growth | None:
@@ -319,6 +323,7 @@ class RunRecord:
             ],
             "phases": [{"kind": p.kind, "start_s": p.start, "end_s": p.end} for p in self.phases],
             "steps_by": self.steps_by,
+            "workers": None if self.workers is None else self.workers.to_json(),
             "growth": None if self.growth is None else self.growth.to_json(),
             "timeline": {
                 name: [[t, b] for t, b in run.timeline] for name, run in self.devices.items()
@@ -364,6 +369,7 @@ class RunRecord:
                 notes=tuple(data["notes"]),
                 phases=phases,
                 steps_by=data.get("steps_by"),
+                workers=Workers.from_json(data["workers"]) if data.get("workers") else None,
             )
         except (KeyError, TypeError, AttributeError) as exc:
             raise ValueError(f"not a torchmem run report: {type(exc).__name__}: {exc}") from None

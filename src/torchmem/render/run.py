@@ -29,7 +29,7 @@ from torchmem.records.run import (
     Site,
     Step,
 )
-from torchmem.render import chart, icicle
+from torchmem.render import chart, icicle, workers
 from torchmem.render.kit import (
     MISSING,
     SAMPLED,
@@ -245,6 +245,7 @@ def _sections(record: RunRecord, top: int, width: int | None = None) -> list[Sec
     main = record.devices.get(record.main_device)
     if record.devices:
         found.append(_devices(record))
+    found.append(workers.section(record.workers, top))
     found += [_steps(record, run) for run in record.devices.values()]
     if main is not None:
         found.append(_categories(main))

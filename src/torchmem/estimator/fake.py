@@ -32,11 +32,13 @@ import torch
 from torchmem._compat import DispatchMode, getframe, in_backward, storage_key
 from torchmem._compat.fake import data_dependent_operator, fake_mode, no_dispatch_modes
 from torchmem.errors import EstimateError
+from torchmem.estimator.kernels import Kernels
 from torchmem.estimator.loaders import loaders_in_process
 from torchmem.estimator.patches import (
     compiles_seen,
     cuda_autocast_on_cpu,
     foreach_optimizers,
+    rng_states_counted,
     swaps_forgetting,
 )
 from torchmem.estimator.placement import OnFakeCpu, any_on, mark, real_tensor
@@ -210,6 +212,7 @@ class _Operators(DispatchMode):
         self.spread = 0
         self._seen: set[tuple[bool, bool]] = set()
         self.values = Values()
+        self.kernels = Kernels()
 
     def __torch_dispatch__(
         self,
@@ -223,16 +226,15 @@ class _Operators(DispatchMode):
         real = real_tensor(func, (*args, *kwargs.values()))
         if real is not None:  # before any kernel can change it
             _refuse_real(func, real)
-        gpu = True
-        if meter.gpu_only:
-            forced = meter.forced
-            if forced is None:
-                gpu = any_on(meter.on_gpu, args) or any_on(meter.on_gpu, kwargs.values())
-            else:
-                gpu = forced
+        gpu = self._on_gpu(args, kwargs)
         if func is _SCALAR and (value := self.values.value(args[0])) is not None:
             with no_dispatch_modes():
                 return value.item()
+        if func.namespace != "prim":  # prim.device: autograd asks, before the call returns
+            self.kernels.settle()
+        swapped = self.kernels.in_place(func, args, kwargs)
+        if swapped is not None:
+            func, args, kwargs = swapped
         outer, meter.to_gpu = meter.to_gpu, gpu
         try:
             out = func(*args, **kwargs)
@@ -258,15 +260,33 @@ class _Operators(DispatchMode):
             self.spread += 1
         else:
             self.values.compute(func, args, kwargs, out)
-        if gpu and meter.gpu_only:
+        self.kernels.after(func, args, kwargs, out, cpu=not meter.gpu_only)
+        if gpu:
+            self._on_the_gpu(func, out)
+        return out
+
+    def _on_gpu(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        """Whether the operator running now makes its storages on the GPU (always, for a
+        CPU target, whose storages are all logged)."""
+        meter = self.meter
+        if not meter.gpu_only:
+            return True
+        if meter.forced is not None:
+            return meter.forced
+        return any_on(meter.on_gpu, args) or any_on(meter.on_gpu, kwargs.values())
+
+    def _on_the_gpu(self, func: Any, out: Any) -> None:
+        """After `func` made `out` on the GPU: give it the GPU's device, and note the
+        first matrix products."""
+        meter = self.meter
+        if meter.gpu_only:
             mark(out)
-        if gpu and func.overloadpacket in MATMULS:
+        if func.overloadpacket in MATMULS:
             backward = in_backward()
             for lt in (False, True) if func.overloadpacket in LT_MATMULS else (False,):
                 if (backward, lt) not in self._seen:
                     self._seen.add((backward, lt))
                     self.matmuls.append((len(meter.rows), backward, lt))
-        return out
 
 
 def _refuse_real(func: Any, real: torch.Tensor) -> NoReturn:
@@ -372,10 +392,12 @@ def run_fake(
         stack.enter_context(values_read(operators.values))
         stack.enter_context(_quiet_refusals())
         stack.enter_context(torch.random.fork_rng(devices=[]))
+        stack.enter_context(rng_states_counted())  # after fork_rng's own
         watcher.start()
         try:
             fn(*args, **kwargs)
         finally:
+            operators.kernels.settle()  # the last operator's numbers
             watcher.stop()
     stop = time.monotonic_ns()
     events = torch.tensor(meter.rows, dtype=torch.int64).reshape(-1, 5)

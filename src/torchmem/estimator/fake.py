@@ -65,6 +65,12 @@ LT_MATMULS = frozenset((aten.addmm, aten._addmm_activation))
 """Operators PyTorch runs in cuBLASLt on a GPU (a bias fused in), whose own workspace is
 allocated at the first one, after cuBLAS's."""
 _SCALAR = aten._local_scalar_dense.default
+CPU_OUTPUTS = {
+    aten._scaled_dot_product_efficient_attention.default: frozenset((2, 3)),
+    aten._scaled_dot_product_flash_attention.default: frozenset((6, 7)),
+}
+"""Operators on GPU tensors whose results at these positions are CPU tensors (the fused
+attention kernels' random seed and offset)."""
 FAKE_LOG = "torch._subclasses.fake_tensor"
 """The logger of PyTorch's fake tensors."""
 
@@ -135,6 +141,18 @@ class _LoggedMeter(TensorMeter):
         else:
             self._log_alloc(key, nbytes)
         super()._count(storage, nbytes)
+
+    def placed(self, out: Any, cpu: frozenset[int]) -> None:
+        """Log the storages of `out`, an operator's results made as CPU ones, as made on
+        the GPU now, but those at the positions `cpu`."""
+        for i, value in enumerate(out):
+            if i in cpu or not isinstance(value, torch.Tensor):
+                continue
+            storage = value.untyped_storage()
+            key = storage_key(storage)
+            if storage.nbytes() and key not in self.on_gpu:
+                self.on_gpu.add(key)
+                self._log_alloc(key, storage.nbytes())
 
     def _freed(self, ref: Any) -> None:
         self._log.append(ref)
@@ -235,7 +253,8 @@ class _Operators(DispatchMode):
         swapped = self.kernels.in_place(func, args, kwargs)
         if swapped is not None:
             func, args, kwargs = swapped
-        outer, meter.to_gpu = meter.to_gpu, gpu
+        apart = CPU_OUTPUTS.get(func) if gpu and meter.gpu_only else None
+        outer, meter.to_gpu = meter.to_gpu, gpu and apart is None
         try:
             out = func(*args, **kwargs)
         except Exception as exc:
@@ -262,7 +281,7 @@ class _Operators(DispatchMode):
             self.values.compute(func, args, kwargs, out)
         self.kernels.after(func, args, kwargs, out, cpu=not meter.gpu_only)
         if gpu:
-            self._on_the_gpu(func, out)
+            self._on_the_gpu(func, out, apart)
         return out
 
     def _on_gpu(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
@@ -275,12 +294,14 @@ class _Operators(DispatchMode):
             return meter.forced
         return any_on(meter.on_gpu, args) or any_on(meter.on_gpu, kwargs.values())
 
-    def _on_the_gpu(self, func: Any, out: Any) -> None:
-        """After `func` made `out` on the GPU: give it the GPU's device, and note the
-        first matrix products."""
+    def _on_the_gpu(self, func: Any, out: Any, apart: frozenset[int] | None) -> None:
+        """After `func` made `out` on the GPU (but those at the positions `apart`): give
+        them the GPU's device, and note the first matrix products."""
         meter = self.meter
+        if apart is not None:
+            meter.placed(out, apart)
         if meter.gpu_only:
-            mark(out)
+            mark(out if apart is None else [o for i, o in enumerate(out) if i not in apart])
         if func.overloadpacket in MATMULS:
             backward = in_backward()
             for lt in (False, True) if func.overloadpacket in LT_MATMULS else (False,):

@@ -5,7 +5,9 @@ device, but no memory; operators compute only those. The tensor meter, watching 
 CPU device, counts each new storage exactly as a real CPU run allocates it, and this log
 keeps them in order, with the user's line that made each one. PyTorch's global hooks
 (:class:`~torchmem.events.hooks.Watcher`) say which storages were parameters,
-gradients, optimizer state and activations, and when each module ran.
+gradients, optimizer state and activations, and when each module ran;
+:mod:`~torchmem.estimator.kernels` adds what real kernels make beyond the fake ones'
+results (a Python number given for a tensor, a CPU kernel's casts).
 
 For a CUDA target the run still happens on the fake CPU device (fake CUDA tensors cannot
 run a backward pass on a machine without a GPU), and only the storages that would be on

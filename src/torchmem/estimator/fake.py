@@ -126,6 +126,8 @@ class _LoggedMeter(TensorMeter):
         """Whether the operator running now makes its new storages on the GPU."""
         self.forced: bool | None = None
         """While a call names its device: whether that device is the GPU."""
+        self._unstored = 0
+        """The last key :meth:`made` gave (negative: no storage's)."""
 
     def _count(self, storage: torch.UntypedStorage, nbytes: int) -> None:
         key = storage_key(storage)
@@ -143,6 +145,17 @@ class _LoggedMeter(TensorMeter):
         else:
             self._log_alloc(key, nbytes)
         super()._count(storage, nbytes)
+
+    def made(self, nbytes: int) -> int:
+        """Log `nbytes` made now by no operator (:mod:`~torchmem.estimator.kernels`); the
+        key to free them by, one no storage has."""
+        self._unstored -= 1
+        self._log_alloc(self._unstored, nbytes)
+        return self._unstored
+
+    def freed(self, key: int, nbytes: int) -> None:
+        """Log the `nbytes` made under `key` (:meth:`made`) freed now."""
+        self._log_free(key, nbytes)
 
     def placed(self, out: Any, cpu: frozenset[int]) -> None:
         """Log the storages of `out`, an operator's results made as CPU ones, as made on
@@ -232,7 +245,7 @@ class _Operators(DispatchMode):
         self.spread = 0
         self._seen: set[tuple[bool, bool]] = set()
         self.values = Values()
-        self.kernels = Kernels()
+        self.kernels = Kernels(meter)
 
     def __torch_dispatch__(
         self,
@@ -281,7 +294,9 @@ class _Operators(DispatchMode):
             self.spread += 1
         else:
             self.values.compute(func, args, kwargs, out)
-        self.kernels.after(func, args, kwargs, out, cpu=not meter.gpu_only)
+        self.kernels.made_by(out)
+        if not meter.gpu_only:
+            self.kernels.after(func, args, kwargs, out)
         if gpu:
             self._on_the_gpu(func, out, apart)
         return out

@@ -25,15 +25,16 @@ makes only the operator's results. A real run differs where:
   (``x[indices]``'s: a second tensor as large as ``x``). Those in :data:`IN_PLACE` run in
   place here, as on real tensors, on the CPU and on a GPU alike.
 
-:class:`Kernels` makes the first two as fake tensors, which the run's meter counts and
-frees as the real ones are.
+:class:`Kernels` logs the first two in the run's log, as made and freed where the real
+ones are.
 """
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -43,6 +44,7 @@ aten = torch.ops.aten
 
 _NUMBER_DTYPES = ((bool, torch.bool), (int, torch.int64), (float, torch.float64))
 """The dtype of the tensor PyTorch makes of a Python number (a bool is an int: first)."""
+_NUMBERS = frozenset(kind for kind, _ in _NUMBER_DTYPES)
 _OPERANDS = ("self", "other", "scalar", "scalars", "exponent")
 """The arguments an elementwise operator computes with (not ``alpha``, nor ``where``'s
 ``condition``)."""
@@ -73,6 +75,7 @@ _BLOCK = 60
 uint8): ``copy_same_type_transpose_``, for matrices of at least 60 x 60 elements."""
 
 
+@functools.cache
 def elementwise(func: Any) -> bool:
     """Whether the CPU kernel of operator `func` casts its operands to their common dtype."""
     if func in _ELEMENTWISE_OVERLOADS:
@@ -215,31 +218,45 @@ real tensors run instead (``(operator, args, kwargs)`` of ``(args, kwargs)``). T
 binary cross-entropy's runs in place only where no graph of the backward pass is made."""
 
 
-class Kernels:
-    """Per fake run, on the fake CPU: makes what real kernels make beyond the fake ones'
-    results as fake tensors, which the run's meter counts, and runs the backward formulas
-    of :data:`IN_PLACE` in place."""
+class Ledger(Protocol):
+    """Where :class:`Kernels` logs what it counts (the fake run's meter)."""
 
-    def __init__(self) -> None:
-        self._pending: list[tuple[Any, list[tuple[str, torch.Tensor]]]] = []
-        self._kept: dict[int, torch.Tensor] = {}
+    def made(self, nbytes: int) -> int:
+        """Log `nbytes` made now by no operator; the key to free them by."""
+
+    def freed(self, key: int, nbytes: int) -> None:
+        """Log the `nbytes` made under `key` freed now."""
+
+
+class Kernels:
+    """Per fake run: logs, in `ledger`, what real CPU kernels make beyond the fake ones'
+    results, and runs the backward formulas of :data:`IN_PLACE` in place."""
+
+    def __init__(self, ledger: Ledger) -> None:
+        self._ledger = ledger
+        self._pending: list[tuple[Any, list[tuple[str, int, int]]]] = []
+        """Each operator's output (weakly) and the numbers given to it for tensors:
+        ``(argument name, key, bytes)``, until the next operator."""
         self._node: tuple[str, int] | None = None
-        self._made: dict[int, weakref.ref[torch.Tensor]] = {}
+        self._fresh: dict[int, weakref.ref[torch.Tensor]] = {}
         self._listed = False
         """Whether the operator running now is one of a backward formula of IN_PLACE's."""
+        self._backward = False
+        """Whether the operator running now is one of a backward pass."""
 
     def in_place(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Swap | None:
         """``(operator, args, kwargs)`` to run instead of `func` on `args`, where a backward
         formula of :data:`IN_PLACE` would run it in place on real tensors; else None."""
         node = backward_node()
+        self._backward = node is not None
         swaps = IN_PLACE.get(node[0]) if node is not None else None
         self._listed = swaps is not None
         if node is None or swaps is None:
             return None
         if node != self._node:
-            self._node, self._made = node, {}
+            self._node, self._fresh = node, {}
         swap = swaps.get(func)
-        made = self._made.get(id(args[0])) if args else None
+        made = self._fresh.get(id(args[0])) if args else None
         if swap is None or made is None or made() is not args[0]:
             return None
         if node[0].startswith("BinaryCrossEntropy") and torch.is_grad_enabled():
@@ -248,41 +265,46 @@ class Kernels:
         return swapped
 
     def settle(self) -> None:
-        """Free the tensors made of the numbers given to the operators before, except
-        those autograd keeps for the backward pass: each lives as long as autograd's own."""
+        """Free the tensors made of the numbers given to the operator before, except those
+        autograd keeps for the backward pass: each lives as long as autograd's own."""
         pending, self._pending = self._pending, []
         for ref, numbers in pending:
             out = ref() if ref is not None else None
             node = getattr(out, "grad_fn", None)
-            for name, made in numbers:
+            for name, key, nbytes in numbers:
                 saved = getattr(node, f"_saved_{name}", None) if node is not None else None
                 if isinstance(saved, torch.Tensor) and not isinstance(saved, FakeTensor):
-                    key = id(made)
-                    self._kept[key] = made
-                    weakref.finalize(saved.untyped_storage(), self._kept.pop, key, None)
+                    weakref.finalize(saved.untyped_storage(), self._ledger.freed, key, nbytes)
+                else:
+                    self._ledger.freed(key, nbytes)
 
-    def after(
-        self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any, cpu: bool
-    ) -> None:
-        """Make, on the fake CPU (`cpu`), what the real kernel of `func` made beyond its
-        result `out`: a tensor of each number given for a tensor (kept until the next
-        operator, :meth:`settle`), and its temporaries, made and freed."""
-        tensors = [value for value in _flat(out) if isinstance(value, torch.Tensor)]
-        if self._listed:
-            self._made.update((id(value), weakref.ref(value)) for value in tensors)
-        if not cpu:
-            return
+    def after(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+        """Log what the real CPU kernel of `func` made beyond its result `out`: a tensor of
+        each number given for a tensor (freed at the next operator, :meth:`settle`), and
+        its temporaries, made and freed. After :meth:`in_place` for the same operator."""
         # A backward formula gives the tensors autograd kept (MulBackward0's 0.5): not new.
-        given = () if backward_node() is not None else (*args, *kwargs.values())
-        if any(number_dtype(value) is not None for value in given):
+        given = () if self._backward else (*args, *kwargs.values())
+        if any(type(value) in _NUMBERS for value in given):
             numbers = tensor_numbers(list(_bound(func, args, kwargs)))
-            made = [(name, torch.empty((), dtype=dtype)) for name, dtype in numbers]
-            if made:
-                self._pending.append((weakref.ref(tensors[0]) if tensors else None, made))
+            if numbers:
+                first = next(iter(_tensors(out)), None)
+                made = [
+                    (name, self._ledger.made(dtype.itemsize), dtype.itemsize)
+                    for name, dtype in numbers
+                ]
+                self._pending.append((None if first is None else weakref.ref(first), made))
         nbytes = temporaries(func, args, kwargs, out)
         if nbytes:
-            torch.empty(nbytes, dtype=torch.uint8)  # made and freed at once
+            self._ledger.freed(self._ledger.made(nbytes), nbytes)
+
+    def made_by(self, out: Any) -> None:
+        """Note the tensors of `out`, made by the operator running now, where it is one of
+        a backward formula of :data:`IN_PLACE`'s."""
+        if self._listed:
+            self._fresh.update((id(t), weakref.ref(t)) for t in _tensors(out))
 
 
-def _flat(out: Any) -> tuple[Any, ...]:
-    return tuple(out) if isinstance(out, (list, tuple)) else (out,)
+def _tensors(out: Any) -> list[torch.Tensor]:
+    """The tensors among an operator's results `out`."""
+    values = out if isinstance(out, (list, tuple)) else (out,)
+    return [value for value in values if isinstance(value, torch.Tensor)]

@@ -78,7 +78,8 @@ CPU_MODELLED = (
 CPU_NOT_MODELLED = (
     "memory kernels allocate without a tensor (oneDNN's scratch space)",
     "tensors some CPU kernels make inside themselves (a matrix product's copy of a"
-    " broadcast operand; GELU's, LayerNorm's, embedding's and attention's backward)",
+    " broadcast operand; GELU's, LayerNorm's, embedding's, attention's and convolution's"
+    " backward; MSE's and BCE with logits' forward)",
     "gradients autograd adds up in place (counted as a new tensor)",
 )
 COMPILED = (

@@ -71,3 +71,15 @@ def op_schema(op: Any) -> Any:
 def view_base(tensor: torch.Tensor) -> torch.Tensor | None:
     """The tensor `tensor` is a view of, None where it is not a view."""
     return tensor._base
+
+
+_CURRENT_NODE = lookup("torch._C._current_autograd_node")
+
+
+def backward_node() -> tuple[str, int] | None:
+    """The name and sequence number of the autograd node whose backward formula runs in
+    this thread now (``("IndexBackward0", 12)``); None outside a backward pass."""
+    node = _CURRENT_NODE() if _CURRENT_NODE is not None else None
+    if node is None:
+        return None
+    return node.name(), node._sequence_nr()

@@ -56,6 +56,8 @@ MODELLED = (
     "cuBLAS workspaces (one per thread: forward and backward), and cuBLASLt's for products"
     " with a fused bias",
     "CUDA autocast's rules of what to cast (not CPU autocast's)",
+    "dropout and scaled dot-product attention by CUDA's kernels (a bool mask; FlashAttention"
+    " or memory-efficient attention where a GPU takes them)",
     "tensors made on the CPU stay off the GPU until moved (.cuda(), .to('cuda'))",
     "an allowance for the CUDA context (in fits())",
 )
@@ -66,6 +68,19 @@ NOT_MODELLED = (
     "NCCL buffers",
     "backward operators whose CUDA kernels allocate other temporaries than their CPU kernels",
     "more than one stream",
+)
+CPU_MODELLED = (
+    MODELLED[0],
+    "tensors PyTorch makes besides the operators' results: Python numbers given for tensors"
+    " (kept while autograd keeps them), the CPU kernels' casts to a common dtype, transposed"
+    " copies' blocks, checkpoint's copies of the random generator's state",
+)
+CPU_NOT_MODELLED = (
+    "memory kernels allocate without a tensor (oneDNN's scratch space)",
+    "tensors some CPU kernels make inside themselves (a matrix product's copy of a"
+    " broadcast operand; GELU's, LayerNorm's, embedding's, attention's and convolution's"
+    " backward; MSE's and BCE with logits' forward)",
+    "gradients autograd adds up in place (counted as a new tensor)",
 )
 COMPILED = (
     "fn compiled code with torch.compile: compiled graphs are not modelled (their"
@@ -162,8 +177,8 @@ def estimate(fn: Callable[..., Any], *args: Any, device: str = "cuda", **kwargs:
         context_bytes=CONTEXT_BYTES if cuda else 0,
         workspace_bytes=workspace,
         expandable_segments=expandable,
-        modelled=MODELLED if cuda else MODELLED[:1],
-        not_modelled=NOT_MODELLED if cuda else ("memory kernels allocate without a tensor",),
+        modelled=MODELLED if cuda else CPU_MODELLED,
+        not_modelled=NOT_MODELLED if cuda else CPU_NOT_MODELLED,
         notes=tuple(notes),
         seconds=time.perf_counter() - started,
         function=getattr(fn, "__qualname__", repr(fn)),

@@ -5,7 +5,9 @@ device, but no memory; operators compute only those. The tensor meter, watching 
 CPU device, counts each new storage exactly as a real CPU run allocates it, and this log
 keeps them in order, with the user's line that made each one. PyTorch's global hooks
 (:class:`~torchmem.events.hooks.Watcher`) say which storages were parameters,
-gradients, optimizer state, buffers and activations, and when each module ran.
+gradients, optimizer state, buffers and activations, and when each module ran;
+:mod:`~torchmem.estimator.kernels` adds what real kernels make beyond the fake ones'
+results (a Python number given for a tensor, a CPU kernel's casts).
 
 For a CUDA target the run still happens on the fake CPU device (fake CUDA tensors cannot
 run a backward pass on a machine without a GPU), and only the storages that would be on
@@ -32,11 +34,13 @@ import torch
 from torchmem._compat import DispatchMode, getframe, in_backward, storage_key
 from torchmem._compat.fake import data_dependent_operator, fake_mode, no_dispatch_modes
 from torchmem.errors import EstimateError
+from torchmem.estimator.kernels import Kernels
 from torchmem.estimator.loaders import loaders_in_process
 from torchmem.estimator.patches import (
     compiles_seen,
     cuda_autocast_on_cpu,
     foreach_optimizers,
+    rng_states_counted,
     swaps_forgetting,
 )
 from torchmem.estimator.placement import OnFakeCpu, any_on, mark, real_tensor
@@ -63,6 +67,12 @@ LT_MATMULS = frozenset((aten.addmm, aten._addmm_activation))
 """Operators PyTorch runs in cuBLASLt on a GPU (a bias fused in), whose own workspace is
 allocated at the first one, after cuBLAS's."""
 _SCALAR = aten._local_scalar_dense.default
+CPU_OUTPUTS = {
+    aten._scaled_dot_product_efficient_attention.default: frozenset((2, 3)),
+    aten._scaled_dot_product_flash_attention.default: frozenset((6, 7)),
+}
+"""Operators on GPU tensors whose results at these positions are CPU tensors (the fused
+attention kernels' random seed and offset)."""
 FAKE_LOG = "torch._subclasses.fake_tensor"
 """The logger of PyTorch's fake tensors."""
 
@@ -116,6 +126,8 @@ class _LoggedMeter(TensorMeter):
         """Whether the operator running now makes its new storages on the GPU."""
         self.forced: bool | None = None
         """While a call names its device: whether that device is the GPU."""
+        self._unstored = 0
+        """The last key :meth:`made` gave (negative: no storage's)."""
 
     def _count(self, storage: torch.UntypedStorage, nbytes: int) -> None:
         key = storage_key(storage)
@@ -133,6 +145,29 @@ class _LoggedMeter(TensorMeter):
         else:
             self._log_alloc(key, nbytes)
         super()._count(storage, nbytes)
+
+    def made(self, nbytes: int) -> int:
+        """Log `nbytes` made now by no operator (:mod:`~torchmem.estimator.kernels`); the
+        key to free them by, one no storage has."""
+        self._unstored -= 1
+        self._log_alloc(self._unstored, nbytes)
+        return self._unstored
+
+    def freed(self, key: int, nbytes: int) -> None:
+        """Log the `nbytes` made under `key` (:meth:`made`) freed now."""
+        self._log_free(key, nbytes)
+
+    def placed(self, out: Any, cpu: frozenset[int]) -> None:
+        """Log the storages of `out`, an operator's results made as CPU ones, as made on
+        the GPU now, but those at the positions `cpu`."""
+        for i, value in enumerate(out):
+            if i in cpu or not isinstance(value, torch.Tensor):
+                continue
+            storage = value.untyped_storage()
+            key = storage_key(storage)
+            if storage.nbytes() and key not in self.on_gpu:
+                self.on_gpu.add(key)
+                self._log_alloc(key, storage.nbytes())
 
     def _freed(self, ref: Any) -> None:
         self._log.append(ref)
@@ -210,6 +245,7 @@ class _Operators(DispatchMode):
         self.spread = 0
         self._seen: set[tuple[bool, bool]] = set()
         self.values = Values()
+        self.kernels = Kernels(meter)
 
     def __torch_dispatch__(
         self,
@@ -223,17 +259,17 @@ class _Operators(DispatchMode):
         real = real_tensor(func, (*args, *kwargs.values()))
         if real is not None:  # before any kernel can change it
             _refuse_real(func, real)
-        gpu = True
-        if meter.gpu_only:
-            forced = meter.forced
-            if forced is None:
-                gpu = any_on(meter.on_gpu, args) or any_on(meter.on_gpu, kwargs.values())
-            else:
-                gpu = forced
+        gpu = self._on_gpu(args, kwargs)
         if func is _SCALAR and (value := self.values.value(args[0])) is not None:
             with no_dispatch_modes():
                 return value.item()
-        outer, meter.to_gpu = meter.to_gpu, gpu
+        if func.namespace != "prim":  # prim.device: autograd asks, before the call returns
+            self.kernels.settle()
+        swapped = self.kernels.in_place(func, args, kwargs)
+        if swapped is not None:
+            func, args, kwargs = swapped
+        apart = CPU_OUTPUTS.get(func) if gpu and meter.gpu_only else None
+        outer, meter.to_gpu = meter.to_gpu, gpu and apart is None
         try:
             out = func(*args, **kwargs)
         except Exception as exc:
@@ -258,15 +294,37 @@ class _Operators(DispatchMode):
             self.spread += 1
         else:
             self.values.compute(func, args, kwargs, out)
-        if gpu and meter.gpu_only:
-            mark(out)
-        if gpu and func.overloadpacket in MATMULS:
+        self.kernels.made_by(out)
+        if not meter.gpu_only:
+            self.kernels.after(func, args, kwargs, out)
+        if gpu:
+            self._on_the_gpu(func, out, apart)
+        return out
+
+    def _on_gpu(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        """Whether the operator running now makes its storages on the GPU (always, for a
+        CPU target, whose storages are all logged)."""
+        meter = self.meter
+        if not meter.gpu_only:
+            return True
+        if meter.forced is not None:
+            return meter.forced
+        return any_on(meter.on_gpu, args) or any_on(meter.on_gpu, kwargs.values())
+
+    def _on_the_gpu(self, func: Any, out: Any, apart: frozenset[int] | None) -> None:
+        """After `func` made `out` on the GPU (but those at the positions `apart`): give
+        them the GPU's device, and note the first matrix products."""
+        meter = self.meter
+        if apart is not None:
+            meter.placed(out, apart)
+        if meter.gpu_only:
+            mark(out if apart is None else [o for i, o in enumerate(out) if i not in apart])
+        if func.overloadpacket in MATMULS:
             backward = in_backward()
             for lt in (False, True) if func.overloadpacket in LT_MATMULS else (False,):
                 if (backward, lt) not in self._seen:
                     self._seen.add((backward, lt))
                     self.matmuls.append((len(meter.rows), backward, lt))
-        return out
 
 
 def _refuse_real(func: Any, real: torch.Tensor) -> NoReturn:
@@ -372,10 +430,12 @@ def run_fake(
         stack.enter_context(values_read(operators.values))
         stack.enter_context(_quiet_refusals())
         stack.enter_context(torch.random.fork_rng(devices=[]))
+        stack.enter_context(rng_states_counted())  # after fork_rng's own
         watcher.start()
         try:
             fn(*args, **kwargs)
         finally:
+            operators.kernels.settle()  # the last operator's numbers
             watcher.stop()
     stop = time.monotonic_ns()
     events = torch.tensor(meter.rows, dtype=torch.int64).reshape(-1, 5)

@@ -4,6 +4,7 @@ undone when its block ends."""
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -109,3 +110,26 @@ def foreach_optimizers() -> Iterator[None]:
     finally:
         for handle in handles:
             handle.remove()
+
+
+@contextlib.contextmanager
+def rng_states_counted() -> Iterator[None]:
+    """``torch.get_rng_state()`` (as ``torch.utils.checkpoint`` keeps it for each call, to
+    run the forward again alike) makes its real state, which no operator makes, and a
+    fake tensor of its bytes beside it, which the run counts, living as long as the state,
+    until the block ends."""
+    original = torch.get_rng_state
+    kept: dict[int, torch.Tensor] = {}
+
+    def get_rng_state() -> torch.Tensor:
+        state = original()
+        counted = torch.empty(state.shape, dtype=state.dtype)
+        kept[id(counted)] = counted
+        weakref.finalize(state.untyped_storage(), kept.pop, id(counted), None)
+        return state
+
+    torch.get_rng_state = get_rng_state
+    try:
+        yield
+    finally:
+        torch.get_rng_state = original

@@ -17,6 +17,7 @@ from torch.overrides import TorchFunctionMode
 
 from torchmem._compat import storage_key
 from torchmem._compat.fake import mark_fake_device
+from torchmem.estimator.cuda_paths import PATHS
 
 
 class Placement(Protocol):
@@ -105,7 +106,8 @@ class OnFakeCpu(TorchFunctionMode):
     fake CPU and tells the meter where its storages live: a call that names a CUDA device
     makes GPU storages, ``.cuda()`` and ``.to("cuda")`` copy a CPU tensor to the GPU
     (``.cpu()`` back), a tensor on the GPU says so (``.is_cuda``), and its ``.device``,
-    :data:`GPU_AS_CPU`, names the GPU where it is given (``device=x.device``)."""
+    :data:`GPU_AS_CPU`, names the GPU where it is given (``device=x.device``). Dropout
+    and attention on the GPU run as CUDA runs them (:mod:`~torchmem.estimator.cuda_paths`)."""
 
     def __init__(self, meter: Placement | None) -> None:
         super().__init__()
@@ -125,6 +127,11 @@ class OnFakeCpu(TorchFunctionMode):
         getter = _GETTERS.get(func)
         if getter is not None:
             return getter(self._on_gpu(args[0]))
+        path = PATHS.get(func)
+        if path is not None and args and self._on_gpu(args[0]):
+            found = path(args, kwargs)
+            if found is not NotImplemented:
+                return found
         if func is torch.Tensor.pin_memory:
             return args[0]
         if func is torch.Tensor.cuda:

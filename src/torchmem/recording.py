@@ -17,16 +17,17 @@ import torch
 from torchmem._compat import getframe
 from torchmem.errors import TorchmemError, UsageError
 from torchmem.events.analysis import Names, device_run, laps_run, module_peaks
-from torchmem.events.growth import Kept, growth, kept, step_records
+from torchmem.events.growth import Kept, growth, kept, lasting, made_in_steps, step_records
 from torchmem.events.holders import holders
 from torchmem.events.hooks import Watcher
 from torchmem.events.notes import Notes, Variable
 from torchmem.events.sources import CpuLog, CudaLog, Laps, Tallied
+from torchmem.events.steps import MIN_STEADY
 from torchmem.meters import Meter, meter
 from torchmem.meters.ram import RamMeter
 from torchmem.records import TOP
 from torchmem.records.frames import SiteKey
-from torchmem.records.run import DeviceRun, Growth, ModulePeak, RunRecord
+from torchmem.records.run import DeviceRun, Growth, HeldGraph, ModulePeak, RunRecord
 from torchmem.report import Report
 from torchmem.resolve import RAM, DeviceLike, measured
 
@@ -59,6 +60,8 @@ class Recording:
         self._variables: dict[int, Variable] = {}
         self._kept: dict[str, Kept | None] = {}
         self._held: dict[int, str] = {}
+        self._graphs: tuple[str | None, list[HeldGraph]] = (None, [])
+        """The device whose growth names the graphs variables keep, and those graphs."""
         self._started = self._stopped = 0
         self._report: RunReport | None = None
 
@@ -156,10 +159,25 @@ class Recording:
             if self._cuda is not None:
                 notes = self._watcher.notes if self._watcher is not None else None
                 self._logs[:0] = self._cuda.stop(notes)
-        self._kept = {found.device: kept(found) for found in self._logs}
-        wanted = [k.survivors.ptr for k in self._kept.values() if k is not None and k.rise]
-        if wanted:
-            self._held = holders(namespace, set(np.concatenate(wanted).tolist()))
+        self._explain(namespace)
+
+    def _explain(self, namespace: Mapping[str, object]) -> None:
+        """Each device's steps; where enough ended, what holds what outlives them and the
+        autograd graphs the program's variables keep (the first device with steps names
+        those)."""
+        ram = self._watcher.phases.ram() if self._watcher is not None else np.empty((0, 2))
+        self._kept = {found.device: kept(found, ram) for found in self._logs}
+        stepped = [(f, k) for f in self._logs if (k := self._kept[f.device]) is not None]
+        if not any(len(k.table) > MIN_STEADY for _, k in stepped):
+            return
+        wanted = [k.made.ptr[~k.freed] for _, k in stepped if k.rise]
+        steps_of: dict[int, int] = {}
+        for found, result in stepped:
+            steps_of.update(made_in_steps(found, result.table))
+        self._held, graphs = holders(
+            namespace, set(np.concatenate(wanted).tolist()) if wanted else set(), steps_of
+        )
+        self._graphs = (stepped[0][0].device, graphs)
 
     def __enter__(self) -> Recording:
         return self.start()
@@ -237,7 +255,7 @@ class Recording:
         watcher = self._watcher or Watcher()
         for found in self._logs:
             result = self._kept.get(found.device)
-            if found.device == device and result is not None and result.rise is not None:
+            if found.device == device and result is not None:
                 return self._growth(found, result, watcher, Names(watcher))
         return None
 
@@ -314,7 +332,9 @@ class Recording:
     ) -> Growth | None:
         labels = {key: names.label(key) for key in watcher.modules}
         forwards = watcher.phases.forwards()
-        return growth(found, result, watcher.names, labels, forwards, self._held)
+        device, graphs = self._graphs
+        held = lasting(graphs, result.table) if found.device == device else ()
+        return growth(found, result, watcher.names, labels, forwards, self._held, held)
 
 
 def _what_ifs(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -73,7 +74,11 @@ def test_the_json_and_the_summary_name_the_growth(tmp_path: Path) -> None:
             "reason": "held by list `history`",
         }
     ]
-    assert "cpu grows 64.00K per step from step 1, exactly at each of 7 steps:" in done.stderr
+    assert re.search(
+        r"cpu grows 64\.00K per step from step 1, exactly at each of 7 steps \(RAM"
+        r" [+-]?\d+\.\d\d[BKMGT] per step\):\n",
+        done.stderr,
+    )
     assert (
         "64.00K each step from leaks.py:9 (`out = model(torch.randn(64, 256))`), held by list"
         " `history`" in done.stderr

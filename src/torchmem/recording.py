@@ -17,7 +17,15 @@ import torch
 from torchmem._compat import getframe
 from torchmem.errors import TorchmemError, UsageError
 from torchmem.events.analysis import Names, device_run, laps_run, module_peaks
-from torchmem.events.growth import Kept, growth, kept, lasting, made_in_steps, step_records
+from torchmem.events.growth import (
+    Kept,
+    asked,
+    growth,
+    kept,
+    lasting,
+    made_in_steps,
+    step_records,
+)
 from torchmem.events.holders import holders
 from torchmem.events.hooks import Watcher
 from torchmem.events.notes import Notes, Variable
@@ -170,7 +178,7 @@ class Recording:
         stepped = [(f, k) for f in self._logs if (k := self._kept[f.device]) is not None]
         if not any(len(k.table) > MIN_STEADY for _, k in stepped):
             return
-        wanted = [k.made.ptr[~k.freed] for _, k in stepped if k.rise]
+        wanted = [asked(k) for _, k in stepped if k.rise]
         steps_of: dict[int, int] = {}
         for found, result in stepped:
             steps_of.update(made_in_steps(found, result.table))

@@ -79,6 +79,10 @@ class Kept:
     unnamed: int
     """What those steps changed that no allocation's record tells: storages from before
     the recording that no record held, freed in them."""
+    current: Table
+    """The allocations alive when the recording stopped that were made from the first of
+    those steps on (what a line's allocations were replaced by since: a tensor made anew
+    each step)."""
 
 
 def kept(found: Tallied, ram: np.ndarray) -> Kept | None:
@@ -91,7 +95,8 @@ def kept(found: Tallied, ram: np.ndarray) -> Kept | None:
         return None
     rise = steps.rise(table.end)
     if rise is None:
-        return Kept(table, None, Table.empty(), Table.empty(), np.zeros(0, bool), 0, 0)
+        empty = Table.empty()
+        return Kept(table, None, empty, empty, np.zeros(0, bool), 0, 0, empty)
     last = len(table) - 1
     if last - rise[0] >= steps.MIN_STEADY:
         last -= 1  # what the last step made may be the loop's variables': the step before's is not
@@ -104,7 +109,19 @@ def kept(found: Tallied, ram: np.ndarray) -> Kept | None:
     lost = lost.take(lost.born <= start)
     change = int(table.end[last] - table.end[last - window])
     unnamed = change - int(made.size.sum()) + int(lost.size.sum())
-    return Kept(table, rise, made, lost, np.isin(made.key, after.key), window, unnamed)
+    current = tally.live.take(tally.live.born > start)
+    freed = np.isin(made.key, after.key)
+    return Kept(table, rise, made, lost, freed, window, unnamed, current)
+
+
+def asked(result: Kept) -> np.ndarray:
+    """The addresses whose holders say why a rise's lines grow: of :attr:`Kept.made` not
+    freed, and of :attr:`Kept.current` from a line whose all were (replaced since)."""
+    made, current = result.made, result.current
+    gone = {(s, o) for s, o, f in zip(made.site, made.owner, result.freed, strict=True) if f}
+    gone -= {(s, o) for s, o, f in zip(made.site, made.owner, result.freed, strict=True) if not f}
+    replaced = [(s, o) in gone for s, o in zip(current.site, current.owner, strict=True)]
+    return np.r_[made.ptr[~result.freed], current.ptr[np.array(replaced, bool)]]
 
 
 def made_in_steps(found: Tallied, table: steps.StepTable) -> dict[int, int]:
@@ -201,55 +218,54 @@ def _sites(
 ) -> tuple[GrowthSite, ...]:
     """The lines of a rise, each with its share of the growth per step (never 0), most
     first: :data:`SITES` of them, the others together."""
-    nets, members = _nets(found, result, modules)
     assert result.rise is not None
-    shares = _shared(list(nets.values()), result.rise[1])
+    nets = _nets(found, result, modules)
+    lines = {where: net for where, net in nets.items() if net}
+    shares = _shared(list(lines.values()), result.window, result.rise[1])
+    made = _members(found, result.made, modules)
+    now = _members(found, result.current, modules)
     found_sites = []
-    for where, share in zip(nets, shares, strict=True):
+    for where, share in zip(lines, shares, strict=True):
         if not share:
             continue
-        chosen = np.array(members.get(where, []), np.int64)
-        rows = result.made.take(chosen)
-        why = None
-        if len(chosen):
-            why = reason(rows, result.freed[chosen], names, modules, forwards, held)
-        key = found.sites.get(int(rows.site[0])) if len(chosen) else None
-        code = source(key) if key is not None and where[1] else None
-        found_sites.append(GrowthSite(*where, share, code, why))
+        chosen = np.array(made.get(where, []), np.int64)
+        rows, freed = result.made.take(chosen), result.freed[chosen]
+        if len(rows) and freed.all() and where in now:  # replaced since: by what lives now
+            rows = result.current.take(np.array(now[where], np.int64))
+            freed = np.zeros(len(rows), bool)
+        why = reason(rows, freed, names, modules, forwards, held) if len(rows) else None
+        key = found.sites.get(int(rows.site[0])) if len(rows) and where[1] else None
+        found_sites.append(GrowthSite(*where, share, source(key) if key else None, why))
     found_sites.sort(key=lambda s: s.bytes_per_step, reverse=True)
-    rest = found_sites[SITES:]
-    listed = found_sites[:SITES]
+    listed, rest = found_sites[:SITES], found_sites[SITES:]
     if sum(s.bytes_per_step for s in rest):
         more = GrowthSite(f"<{len(rest)} more lines>", 0, "", sum(s.bytes_per_step for s in rest))
         listed.append(more)
     return tuple(listed)
 
 
-def _nets(
-    found: Tallied, result: Kept, modules: dict[int, str]
-) -> tuple[dict[Where, int], dict[Where, list[int]]]:
-    """What the window's steps changed, by line (:attr:`Kept.made` less
-    :attr:`Kept.lost`, and what no record tells at ``<before recording>``), and which of
-    :attr:`Kept.made` each line made."""
-    made, lost = result.made, result.lost
-    site = np.r_[made.site, np.where(lost.born < 0, BEFORE_SITE, lost.site)]
-    owner = np.r_[made.owner, lost.owner]
-    size = np.r_[made.size, -lost.size]
-    unique, inverse = np.unique(np.stack([site, owner], axis=1), axis=0, return_inverse=True)
-    inverse = inverse.reshape(-1)
-    totals = np.bincount(inverse, weights=size, minlength=len(unique)).astype(np.int64)
+def _nets(found: Tallied, result: Kept, modules: dict[int, str]) -> dict[Where, int]:
+    """What the steps measured changed, by line: :attr:`Kept.made` less
+    :attr:`Kept.lost`, and what no record tells at ``<before recording>``."""
     nets: dict[Where, int] = {}
-    members: dict[Where, list[int]] = {}
-    for group, ((at, by), total) in enumerate(zip(unique.tolist(), totals.tolist(), strict=True)):
-        where = _where(found, at, by, modules)
-        nets[where] = nets.get(where, 0) + total
-        mine = np.flatnonzero(inverse[: len(made)] == group).tolist()
-        if mine:
-            members.setdefault(where, []).extend(mine)
+    for table, sign in ((result.made, 1), (result.lost, -1)):
+        for where, members in _members(found, table, modules).items():
+            nets[where] = nets.get(where, 0) + sign * int(table.size[members].sum())
     if result.unnamed:
-        before = (BEFORE, 0, "")
-        nets[before] = nets.get(before, 0) + result.unnamed
-    return nets, members
+        nets[BEFORE, 0, ""] = nets.get((BEFORE, 0, ""), 0) + result.unnamed
+    return nets
+
+
+def _members(found: Tallied, table: Table, modules: dict[int, str]) -> dict[Where, list[int]]:
+    """The allocations of `table` by line: their indices."""
+    site = np.where(table.born < 0, BEFORE_SITE, table.site)
+    pairs = np.stack([site, table.owner], axis=1)
+    unique, inverse = np.unique(pairs, axis=0, return_inverse=True)
+    found_lines: dict[Where, list[int]] = {}
+    for group, (at, by) in enumerate(unique.tolist()):
+        where = _where(found, at, by, modules)
+        found_lines.setdefault(where, []).extend(np.flatnonzero(inverse == group).tolist())
+    return found_lines
 
 
 def _where(found: Tallied, site: int, owner: int, modules: dict[int, str]) -> Where:
@@ -263,10 +279,26 @@ def _where(found: Tallied, site: int, owner: int, modules: dict[int, str]) -> Wh
     return (_pseudo(site), 0, "")
 
 
-def _shared(nets: list[int], per_step: int) -> list[int]:
-    """`per_step` shared among lines in proportion to what each changed (`nets`), in whole
-    bytes that sum to it exactly (the largest remainders get a byte more); all 0 where the
-    lines changed nothing in all."""
+def _shared(nets: list[int], steps_measured: int, per_step: int) -> list[int]:
+    """Each line's bytes a step (`nets` over `steps_measured`), in whole bytes that sum to
+    the growth's `per_step` exactly: where the steps rose alike, that is what each line
+    changed a step; else (the growth is a mean over more steps) a byte more for the
+    largest remainders, or less for the smallest, and in proportion to what each changed
+    where a byte each is not enough (all 0 where the lines changed nothing in all)."""
+    shares = [net // steps_measured for net in nets]
+    rest = [net - share * steps_measured for net, share in zip(nets, shares, strict=True)]
+    missing = per_step - sum(shares)
+    if abs(missing) > len(nets):
+        return _proportion(nets, per_step)
+    order = sorted(range(len(nets)), key=lambda i: (rest[i], nets[i]))
+    for i in order[::-1][:missing] if missing > 0 else order[:-missing]:
+        shares[i] += 1 if missing > 0 else -1
+    return shares
+
+
+def _proportion(nets: list[int], per_step: int) -> list[int]:
+    """`per_step` shared in proportion to `nets`, in whole bytes that sum to it (the
+    largest remainders get a byte more); all 0 where they sum to nothing."""
     total = sum(nets)
     if total <= 0:
         return [0] * len(nets)

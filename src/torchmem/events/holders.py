@@ -80,6 +80,10 @@ class _Walk:
     def run(self) -> None:
         while self.queue and len(self.seen) < OBJECTS:
             value, where, name, depth = self.queue.popleft()
+            if isinstance(value, torch.Tensor) and value.grad_fn is not None:
+                # Each holder's, even where another holds it too: a list of losses has
+                # the loop's last loss.
+                self.graphs.setdefault(where, []).append(value)
             if id(value) in self.seen or isinstance(value, _SKIPPED):
                 continue
             self.seen.add(id(value))
@@ -106,8 +110,6 @@ class _Walk:
         ptr = address(tensor)
         if ptr in self.wanted:
             self.found.setdefault(ptr, f"held by {where}")
-        if tensor.grad_fn is not None:
-            self.graphs.setdefault(where, []).append(tensor)
 
     def _module(self, module: torch.nn.Module, name: str | None, depth: int) -> None:
         for sub, child in module.named_modules():

@@ -121,7 +121,7 @@ def asked(result: Kept) -> np.ndarray:
     gone = {(s, o) for s, o, f in zip(made.site, made.owner, result.freed, strict=True) if f}
     gone -= {(s, o) for s, o, f in zip(made.site, made.owner, result.freed, strict=True) if not f}
     replaced = [(s, o) in gone for s, o in zip(current.site, current.owner, strict=True)]
-    return np.r_[made.ptr[~result.freed], current.ptr[np.array(replaced, bool)]]
+    return np.concatenate([made.ptr[~result.freed], current.ptr[np.array(replaced, bool)]])
 
 
 def made_in_steps(found: Tallied, table: steps.StepTable) -> dict[int, int]:

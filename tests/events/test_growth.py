@@ -165,3 +165,37 @@ def test_the_attribute_that_chains_the_steps_graphs_is_named() -> None:
     assert [(g.holder, g.steps, g.chained) for g in growth.graphs] == [
         ("`model.hidden`", STEPS, True)
     ]
+
+
+class LSTMModel(nn.Module):
+    """``nn.LSTM`` keeping its ``(h, c)`` across calls without detaching them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lstm = nn.LSTM(16, 32, batch_first=True)
+        self.head = nn.Linear(32, 16)
+        self.hidden: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, self.hidden = self.lstm(x, self.hidden)
+        return self.head(out)
+
+
+def test_an_lstm_keeping_its_state_names_it() -> None:
+    """The same with ``nn.LSTM`` (what it saves is PyTorch's own, so no bytes are claimed):
+    the tuple ``model.hidden`` chains the steps' graphs, and what they saved is kept with
+    its graph, not the loss's."""
+    model = LSTMModel()
+    gc.collect()
+    with torchmem.record("cpu") as rec:
+        for _ in range(STEPS):
+            loss = model(torch.randn(4, 10, 16)).square().mean()
+            loss.backward(retain_graph=True)
+    growth = growth_of(rec)
+    assert [(g.holder, g.steps, g.chained) for g in growth.graphs] == [
+        ("tuple `model.hidden`", STEPS, True)
+    ]
+    first = growth.sites[0]
+    assert first.source == "out, self.hidden = self.lstm(x, self.hidden)"
+    assert "the autograd graph of a tensor in tuple `model.hidden`" in (first.reason or "")

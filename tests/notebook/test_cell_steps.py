@@ -68,6 +68,9 @@ def test_a_cell_whose_loop_grows_says_by_how_much_from_where_and_why(
         assert lines[4:] == [
             f"  64.00K each step from In [{number}], line 2"
             " (`out = model(torch.randn(64, 256))`), held by list `outputs`",
+            # 6 x (MmBackward0, TBackward0, ReluBackward0) and the weight's accumulator
+            "  list `outputs` keeps an autograd graph of each of 6 steps (19 nodes); keep"
+            " what it holds detached (`.detach()`, or `.item()` for a number)",
         ]
         assert len(report(ipython, STEADY, capsys)) == 3  # no growth: the table alone
         capsys.readouterr()

@@ -28,8 +28,8 @@ from torchmem._compat import saved_tensors
 from torchmem.records.run import HeldGraph
 
 NODES = 1_000_000
-"""Autograd nodes the walks look at, over all holders, at most (about a microsecond
-each)."""
+"""Autograd nodes the walks look at, over all holders, at most (a few microseconds each:
+the 160,004 nodes of 20,000 small steps' graphs take 0.45 s)."""
 LOOKED = 100_000
 """Nodes whose saved tensors are read, at most: reading those a backward pass freed
 costs PyTorch an exception each (about 13 microseconds)."""

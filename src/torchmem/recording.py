@@ -173,7 +173,7 @@ class Recording:
         """Each device's steps; where enough ended, what holds what outlives them and the
         autograd graphs the program's variables keep (the first device with steps names
         those)."""
-        ram = self._watcher.phases.ram() if self._watcher is not None else np.empty((0, 2))
+        ram = self._watcher.phases.ram() if self._watcher else np.empty((0, 2), np.int64)
         self._kept = {found.device: kept(found, ram) for found in self._logs}
         stepped = [(f, k) for f in self._logs if (k := self._kept[f.device]) is not None]
         if not any(len(k.table) > MIN_STEADY for _, k in stepped):
@@ -185,7 +185,7 @@ class Recording:
         self._held, graphs = holders(
             namespace, set(np.concatenate(wanted).tolist()) if wanted else set(), steps_of
         )
-        self._graphs = (stepped[0][0].device, graphs)
+        self._graphs = (next((f.device for f, _ in stepped if _used(f)), None), graphs)
 
     def __enter__(self) -> Recording:
         return self.start()
@@ -287,7 +287,7 @@ class Recording:
         steps_by: str | None = None
         for found in self._logs:
             tally = found.tally
-            if found.device.startswith("cuda") and not tally.events and not tally.base:
+            if not _used(found):
                 continue  # a GPU this run did not use
             run = device_run(found, self._stopped, names, watcher.names, self._variables, top)
             result = self._kept.get(found.device)
@@ -364,6 +364,13 @@ def _what_ifs(
         )
         for name, run in devices.items()
     }
+
+
+def _used(found: Tallied) -> bool:
+    """Whether the run used the device of `found` (a GPU with nothing allocated on it and
+    nothing alive is left out of the report)."""
+    tally = found.tally
+    return not found.device.startswith("cuda") or bool(tally.events or tally.base)
 
 
 def _compiled(watcher: Watcher) -> list[str]:

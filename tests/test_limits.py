@@ -305,7 +305,7 @@ def test_a_leak_in_a_training_loop_names_its_growth_per_step(
         [
             "Test was limited to leaking 0.00B but kept 896.00K on cpu (917,504 bytes more *",
             "*- torchmem: tensors that stayed on cpu -*",
-            "cpu grows 64.00K per step from step 1, exactly at each of 5 steps:",
+            "cpu grows 64.00K per step from step 1, exactly at each of 5 steps (RAM * per step):",
             "  64.00K each step from */test_grows.py:14 (`out = model(torch.randn(64, 256))`),"
             " held by list `HISTORY` in module test_grows",
         ]

@@ -18,18 +18,27 @@ import torch
 from torchmem._compat import getframe
 from torchmem.errors import TorchmemError, UsageError
 from torchmem.events.analysis import Names, device_run, laps_run, module_peaks
-from torchmem.events.growth import Kept, growth, kept, step_records
+from torchmem.events.growth import (
+    Kept,
+    asked,
+    growth,
+    kept,
+    lasting,
+    made_in_steps,
+    step_records,
+)
 from torchmem.events.holders import holders
 from torchmem.events.hooks import Watcher
 from torchmem.events.notes import Notes, Variable
 from torchmem.events.sources import CpuLog, CudaLog, Laps, Tallied
-from torchmem.events.workers import WorkerSampler
+from torchmem.events.steps import MIN_STEADY
+from torchmem.events.workers import WorkerSampler, unrecorded
 from torchmem.meters import CpuAllocatorMeter, Meter, meter
 from torchmem.meters.ram import RamMeter
 from torchmem.meters.storages import Storages
 from torchmem.records import TOP
 from torchmem.records.frames import SiteKey
-from torchmem.records.run import DeviceRun, Growth, ModulePeak, RunRecord
+from torchmem.records.run import DeviceRun, Growth, HeldGraph, ModulePeak, RunRecord
 from torchmem.records.workers import Workers
 from torchmem.report import Report
 from torchmem.resolve import RAM, DeviceLike, measured
@@ -69,6 +78,8 @@ class Recording:
         self._variables: dict[int, Variable] = {}
         self._kept: dict[str, Kept | None] = {}
         self._held: dict[int, str] = {}
+        self._graphs: tuple[str | None, list[HeldGraph]] = (None, [])
+        """The device whose growth names the graphs variables keep, and those graphs."""
         self._started = self._stopped = 0
         self._report: RunReport | None = None
 
@@ -180,10 +191,25 @@ class Recording:
             if self._cuda is not None:
                 notes = self._watcher.notes if self._watcher is not None else None
                 self._logs[:0] = self._cuda.stop(notes)
-        self._kept = {found.device: kept(found) for found in self._logs}
-        wanted = [k.survivors.ptr for k in self._kept.values() if k is not None and k.rise]
-        if wanted:
-            self._held = holders(namespace, set(np.concatenate(wanted).tolist()))
+        self._explain(namespace)
+
+    def _explain(self, namespace: Mapping[str, object]) -> None:
+        """Each device's steps; where enough ended, what holds what outlives them and the
+        autograd graphs the program's variables keep (the first device with steps names
+        those)."""
+        ram = self._watcher.phases.ram() if self._watcher else np.empty((0, 2), np.int64)
+        self._kept = {found.device: kept(found, ram) for found in self._logs}
+        stepped = [(f, k) for f in self._logs if (k := self._kept[f.device]) is not None]
+        if not any(len(k.table) > MIN_STEADY for _, k in stepped):
+            return
+        wanted = [asked(k) for _, k in stepped if k.rise]
+        steps_of: dict[int, int] = {}
+        for found, result in stepped:
+            steps_of.update(made_in_steps(found, result.table))
+        self._held, graphs = holders(
+            namespace, set(np.concatenate(wanted).tolist()) if wanted else set(), steps_of
+        )
+        self._graphs = (next((f.device for f, _ in stepped if _used(f)), None), graphs)
 
     def __enter__(self) -> Recording:
         return self.start()
@@ -261,7 +287,7 @@ class Recording:
         watcher = self._watcher or Watcher()
         for found in self._logs:
             result = self._kept.get(found.device)
-            if found.device == device and result is not None and result.rise is not None:
+            if found.device == device and result is not None:
                 return self._growth(found, result, watcher, Names(watcher))
         return None
 
@@ -285,7 +311,7 @@ class Recording:
         steps_by: str | None = None
         for found in self._logs:
             tally = found.tally
-            if found.device.startswith("cuda") and not tally.events and not tally.base:
+            if not _used(found):
                 continue  # a GPU this run did not use
             run = device_run(found, self._stopped, names, watcher.names, self._variables, top)
             result = self._kept.get(found.device)
@@ -319,28 +345,12 @@ class Recording:
             devices,
             modules,
             duration,
-            notes=(*notes, *self._workers_note()),
+            notes=(*notes, *unrecorded(self._received, self._seen)),
             phases=watcher.phases.read(self._started),
             steps_by=steps_by,
             workers=self._seen,
             top=top,
         )
-
-    def _workers_note(self) -> list[str]:
-        """The line that says the DataLoader workers' RAM was not recorded, where batches
-        came from other processes and no worker was read."""
-        if not self._received or (self._seen is not None and self._seen.processes):
-            return []
-        why = (
-            "no DataLoader worker was found among this process's children in /proc"
-            if self._seen is not None
-            else "it is read where the recording measures process RAM, on Linux"
-        )
-        return [
-            f"{self._received:,} tensor storages came from other processes through shared"
-            " memory (a DataLoader's workers, torch.multiprocessing): counted here from their"
-            f" arrival; the RAM of the processes that made them was not recorded ({why})."
-        ]
 
     def _with_steps(
         self, run: DeviceRun, found: Tallied, result: Kept, watcher: Watcher, names: Names
@@ -354,7 +364,9 @@ class Recording:
     ) -> Growth | None:
         labels = {key: names.label(key) for key in watcher.modules}
         forwards = watcher.phases.forwards()
-        return growth(found, result, watcher.names, labels, forwards, self._held)
+        device, graphs = self._graphs
+        held = lasting(graphs, result.table) if found.device == device else ()
+        return growth(found, result, watcher.names, labels, forwards, self._held, held)
 
 
 def _what_ifs(
@@ -376,6 +388,13 @@ def _what_ifs(
         )
         for name, run in devices.items()
     }
+
+
+def _used(found: Tallied) -> bool:
+    """Whether the run used the device of `found` (a GPU with nothing allocated on it and
+    nothing alive is left out of the report)."""
+    tally = found.tally
+    return not found.device.startswith("cuda") or bool(tally.events or tally.base)
 
 
 def _compiled(watcher: Watcher) -> list[str]:

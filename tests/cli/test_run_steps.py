@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -73,7 +74,11 @@ def test_the_json_and_the_summary_name_the_growth(tmp_path: Path) -> None:
             "reason": "held by list `history`",
         }
     ]
-    assert "cpu grows 64.00K per step from step 1, exactly at each of 7 steps:" in done.stderr
+    assert re.search(
+        r"cpu grows 64\.00K per step from step 1, exactly at each of 7 steps \(RAM"
+        r" [+-]?\d+\.\d\d[BKMGT] per step\):\n",
+        done.stderr,
+    )
     assert (
         "64.00K each step from leaks.py:9 (`out = model(torch.randn(64, 256))`), held by list"
         " `history`" in done.stderr
@@ -145,3 +150,61 @@ def test_batches_from_dataloader_workers_grow_at_the_loops_line_as_without(
     assert reports[0]["workers"] == {"interval_s": 0.05, "exact": False, "processes": []}
     assert "DataLoader workers (processes of their own):" in said[1]
     assert "DataLoader workers" not in said[0]
+
+
+TOTAL = textwrap.dedent(
+    """\
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 256, bias=False), nn.ReLU())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    total_loss = 0.0
+    for step in range(8):
+        loss = model(torch.randn(64, 256)).square().mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        total_loss += loss
+    """
+)
+"""PyTorch's FAQ: ``total_loss += loss`` after the backward pass keeps no tensor (the
+backward pass freed what the graph saved) but every step's graph: 8 steps of
+``MeanBackward0``, ``PowBackward0``, ``ReluBackward0``, ``MmBackward0``, ``TBackward0``
+and the sum's ``AddBackward0``, and the weight's gradient accumulator: 49 nodes."""
+
+
+def test_a_loss_summed_with_its_graph_is_named_though_no_tensor_grows(tmp_path: Path) -> None:
+    (tmp_path / "total.py").write_text(TOTAL)
+    command = [sys.executable, "-m", "torchmem", "run", "--json", "out.json", "total.py"]
+    done = subprocess.run(command, capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert done.returncode == 0, done.stderr
+    report = json.loads((tmp_path / "out.json").read_text())
+    cpu = report["devices"]["cpu"]
+    ends = [s["end_bytes"] for s in cpu["steps"]]
+    assert len(set(ends[1:])) == 1  # the tensors do not grow
+    assert all(isinstance(s["ram_bytes"], int) for s in cpu["steps"])
+    growth = report["growth"]
+    assert isinstance(growth.pop("ram_bytes_per_step"), int)
+    assert growth == {
+        "device": "cpu",
+        "bytes_per_step": 0,
+        "first_step": 1,
+        "steps": 7,
+        "exact": False,
+        "sites": [],
+        "graphs": [
+            {"holder": "`total_loss`", "steps": 8, "nodes": 49, "chained": True, "complete": True}
+        ],
+    }
+    assert re.search(
+        r"cpu tensors do not grow, autograd graphs of every step do \(RAM [+-]?\d+\.\d\d[BKMGT]"
+        r" per step from step 1, over 7 steps\):\n",
+        done.stderr,
+    )
+    assert (
+        "`total_loss` chains each step's autograd graph to the one before: it keeps the graphs"
+        " of 8 steps (49 nodes); detach it each step (`.detach()`, or `.item()` for a number)"
+        in done.stderr
+    )

@@ -23,7 +23,7 @@ from torchmem.events.sources import Log
 from torchmem.events.steps import rise
 from torchmem.events.tally import CLOSE, HIT, OPEN, STEP
 from torchmem.meters import meter
-from torchmem.records.run import DeviceRun, GrowthSite
+from torchmem.records.run import DeviceRun, GrowthSite, HeldGraph
 
 pytestmark = pytest.mark.skipif(
     getattr(meter("cpu"), "backend", "") != "allocator",
@@ -32,6 +32,8 @@ pytestmark = pytest.mark.skipif(
 STEPS = 6
 ACTIVATION = 64 * KiB
 """One 64 x 256 float32 activation: 65,536 bytes."""
+NO_RAM = np.empty((0, 2), np.int64)
+"""No reading of the process's RSS."""
 
 
 def mlp() -> nn.Sequential:
@@ -255,10 +257,15 @@ def test_a_loss_summed_with_its_graph() -> None:
     )
 
 
-def test_a_loss_summed_after_its_backward_pass_keeps_no_tensor() -> None:
-    """``total += loss`` after ``loss.backward()``: the backward pass freed the saved
-    tensors, and the graph's nodes that ``total`` keeps are not tensor memory (they grow
-    the process's RAM instead): no growth of CPU tensors."""
+def test_a_loss_summed_after_its_backward_pass_keeps_every_steps_graph() -> None:
+    """``total += loss`` after ``loss.backward()`` (PyTorch's FAQ): the backward pass freed
+    the saved tensors, so no CPU tensor grows, but ``total`` keeps every step's graph
+    (its nodes are the process's RAM), each chained to the one before by the sum: a growth
+    of its own, naming ``total``. Each step's graph is the loss's ``MeanBackward0``,
+    ``PowBackward0``, two ``MmBackward0`` and their ``TBackward0``, ``ReluBackward0`` and
+    the sum's ``AddBackward0`` (7 nodes), and the two weights' gradient accumulators are
+    shared: 6 x 8 + 2 = 50 nodes (the first step's sum adds a Python float: no node of its
+    own, ``AddBackward0`` all the same)."""
     model = mlp()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     total = 0.0
@@ -269,7 +276,12 @@ def test_a_loss_summed_after_its_backward_pass_keeps_no_tensor() -> None:
             loss.backward()
             optimizer.step()
             total += loss
-    assert cpu_of(rec).growth is None
+    growth = cpu_of(rec).growth
+    assert growth is not None
+    assert (growth.bytes_per_step, growth.first_step, growth.steps, growth.sites) == (0, 1, 5, ())
+    assert growth.graphs == (HeldGraph("`total`", STEPS, 50, chained=True),)
+    assert isinstance(growth.ram_bytes_per_step, int)
+    assert all(isinstance(step.ram_bytes, int) for step in cpu_of(rec).steps)
 
 
 def test_a_rise_is_told_from_its_steps() -> None:
@@ -310,13 +322,17 @@ def test_steps_from_a_gpu_log_and_the_watchers_notes() -> None:
     for when, optimizer in ((40, 1), (41, 2), (70, 1), (90, 1)):
         notes.rows.append((when, STEP, optimizer, 0, 0, ""))
     found = Log("cuda:0", 0, 0, events, {}).tally(notes)
-    table = steps.table(found.tally.steps, 0)
+    # The process's RSS read where steps may end: a step's is the last read by its end,
+    # after its beginning (none in step 2: 69 is before it began, at 70).
+    ram = np.array([[40, 1000], [41, 1100], [69, 2000]])
+    table = steps.table(found.tally.steps, 0, ram)
     assert table is not None and table.by == "optimizer.step()"
     assert table.start.tolist() == [0, 100, 100]
     assert table.peak.tolist() == [150, 300, 200]
     assert table.end.tolist() == [100, 100, 200]
     assert table.began.tolist() == [0, 41, 70]
     assert table.ended.tolist() == [41, 70, 90]
+    assert table.ram.tolist() == [1100, 2000, -1]
 
 
 def test_without_an_optimizer_a_backward_pass_ends_a_step() -> None:
@@ -327,7 +343,7 @@ def test_without_an_optimizer_a_backward_pass_ends_a_step() -> None:
     notes = Notes()
     for when, kind in ((5, OPEN), (20, HIT), (25, HIT), (30, OPEN), (50, HIT), (55, HIT)):
         notes.rows.append((when, kind, 1, 7, 0 if kind == OPEN else 1, ""))
-    table = steps.table(Log("cpu", 0, 0, events, {}).tally(notes).tally.steps, 0)
+    table = steps.table(Log("cpu", 0, 0, events, {}).tally(notes).tally.steps, 0, NO_RAM)
     assert table is not None and table.by == "backward"
     assert (table.ended.tolist(), table.end.tolist()) == ([25, 55], [100, 200])
 

@@ -5,6 +5,7 @@ The GPU row is CPU tensors here, counted by the counting allocator, exact to the
 
 from __future__ import annotations
 
+import re
 import sys
 
 import pytest
@@ -38,6 +39,11 @@ for step in range(6):
 """
 """Each step keeps its output, 64 x 256 float32 (65,536 bytes), in ``outputs``."""
 STEADY = LOOP.replace("    outputs.append(out)\n", "")
+RAM = (
+    r"cpu grows 64\.00K per step from step 1, exactly at each of 5 steps"
+    r" \(RAM [+-]?\d+\.\d\d[BKMGT] per step\):"
+)
+"""The growth's first line: the process's RAM per step is this machine's."""
 
 
 def report(shell: InteractiveShell, cell: str, capsys: pytest.CaptureFixture[str]) -> list[str]:
@@ -58,10 +64,13 @@ def test_a_cell_whose_loop_grows_says_by_how_much_from_where_and_why(
         number = ipython.execution_count - 1
         assert lines[0].startswith("RAM:")
         assert lines[1].startswith("Gen:") and lines[2].startswith("CPU tensors:")
-        assert lines[3:] == [
-            "cpu grows 64.00K per step from step 1, exactly at each of 5 steps:",
+        assert re.fullmatch(RAM, lines[3]), lines[3]
+        assert lines[4:] == [
             f"  64.00K each step from In [{number}], line 2"
             " (`out = model(torch.randn(64, 256))`), held by list `outputs`",
+            # 6 x (MmBackward0, TBackward0, ReluBackward0) and the weight's accumulator
+            "  list `outputs` keeps an autograd graph of each of 6 steps (19 nodes); keep"
+            " what it holds detached (`.detach()`, or `.item()` for a number)",
         ]
         assert len(report(ipython, STEADY, capsys)) == 3  # no growth: the table alone
         capsys.readouterr()

@@ -1,5 +1,12 @@
 """From a device's tally to its training steps and, where memory rises at the end of each
-step, the lines whose allocations outlive their step and why they do.
+step, the lines whose allocations outlive their step and why they do; and the variables
+that keep autograd graphs of every step.
+
+The lines are what the last steps of the rise (at most
+:data:`~torchmem.events.steps.WINDOW`) changed, line by line: the bytes their allocations
+made and alive at the last step's end, less those made before the steps and freed in
+them (a tensor replaced each step by a larger one grows by the difference), shared over
+the steps so that the lines sum to the growth per step exactly; none that changed nothing.
 
 Why, where it can be told (nothing is claimed that was not seen):
 
@@ -12,71 +19,117 @@ Why, where it can be told (nothing is claimed that was not seen):
   backward pass went through them (only ``retain_graph=True`` keeps saved tensors after
   that) or none did (a forward pass with gradients on whose output no backward pass
   used: evaluation without ``torch.no_grad()``).
+
+A variable that keeps the autograd graphs of (nearly) every step is a growth of its own
+(:attr:`~torchmem.records.run.Growth.graphs`), even where the tensors do not grow: after
+a backward pass a graph keeps no tensor, but its nodes are the process's memory
+(``total_loss += loss``).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from torchmem.events import steps
-from torchmem.events.analysis import source
+from torchmem.events.analysis import BEFORE, source
 from torchmem.events.holders import GRAPH, UNSEEN
 from torchmem.events.hooks import ACTIVATIONS
 from torchmem.events.notes import NameTable
 from torchmem.events.sources import Tallied
 from torchmem.events.table import Table
+from torchmem.events.tally import BEFORE_SITE
 from torchmem.meters.native import NO_PYTHON_SITE
 from torchmem.records.frames import NO_PYTHON
-from torchmem.records.run import STEPS_LISTED, Growth, GrowthSite, Step
+from torchmem.records.run import STEPS_LISTED, Growth, GrowthSite, HeldGraph, Step
 
 SITES = 5
-"""Lines a growth lists at most."""
+"""Lines a growth lists at most (the others together, as one more)."""
 FREED = "alive at the last step's end, freed before the recording stopped (what held it was gone)"
 """The reason given for allocations freed before the recording stopped."""
 MODULES_NAMED = 3
 """Modules a reason names at most (the others are counted)."""
+Where = tuple[str, int, str]
+"""A line: file, line number, function."""
 
 
 @dataclass(frozen=True)
 class Kept:
-    """What a device's steps are, and what outlives the steps of its rise."""
+    """What a device's steps are, and what the last steps of its rise changed."""
 
     table: steps.StepTable
     rise: tuple[int, int, bool] | None
     """``(first step, bytes per step, exact)`` of :func:`~torchmem.events.steps.rise`."""
-    survivors: Table
-    """The allocations made in the steps counted (of the rise) and alive at the last
-    step's end."""
+    made: Table
+    """The allocations made in the last :attr:`window` steps and alive at their end (the
+    steps of the rise but the last, where it has more than
+    :data:`~torchmem.events.steps.MIN_STEADY`: what the last one made may be still held by
+    the loop's variables)."""
+    lost: Table
+    """The allocations made before those steps (or the recording) and freed in them."""
     freed: np.ndarray
-    """Which of :attr:`survivors` were freed before the recording stopped (a loop in a
+    """Which of :attr:`made` were freed before the recording stopped (a loop in a
     function that returned): nothing holds them any more to be asked why."""
-    counted: int
-    """How many steps :attr:`survivors` come from: those of the rise but the last, whose
-    allocations may still be held by the program's variables (all of them where the rise
-    has only :data:`~torchmem.events.steps.MIN_STEADY` steps)."""
+    window: int
+    """How many steps :attr:`made` and :attr:`lost` come from: the last of the rise, at
+    most :data:`~torchmem.events.steps.WINDOW` (0 where there is no rise)."""
+    unnamed: int
+    """What those steps changed that no allocation's record tells: storages from before
+    the recording that no record held, freed in them."""
+    current: Table
+    """The allocations alive when the recording stopped that were made from the first of
+    those steps on (what a line's allocations were replaced by since: a tensor made anew
+    each step)."""
 
 
-def kept(found: Tallied) -> Kept | None:
-    """The steps of a device's tally and, where their ends rise, what outlives them; None
-    where no step ended."""
-    table = steps.table(found.tally.steps, found.tally.start)
+def kept(found: Tallied, ram: np.ndarray) -> Kept | None:
+    """The steps of a device's tally (`ram`: the process's RSS where steps may have ended,
+    :meth:`~torchmem.events.phases.Phases.ram`) and, where their ends rise, what the last
+    steps of the rise changed; None where no step ended."""
+    tally = found.tally
+    table = steps.table(tally.steps, tally.start, ram)
     if table is None:
         return None
     rise = steps.rise(table.end)
     if rise is None:
-        return Kept(table, None, Table.empty(), np.zeros(0, bool), 0)
-    gone = found.tally.steps.gone(int(table.last_row[-1]))
-    alive = found.tally.live.concat(gone)
-    first, last = rise[0], len(table) - 1
-    if last - first >= steps.MIN_STEADY:
-        last -= 1
-    step = np.searchsorted(table.last_row, alive.born)
-    survivors = alive.take((alive.born >= 0) & (step >= first) & (step <= last))
-    freed = np.isin(survivors.key, gone.key)
-    return Kept(table, rise, survivors, freed, last - first + 1)
+        empty = Table.empty()
+        return Kept(table, None, empty, empty, np.zeros(0, bool), 0, 0, empty)
+    last = len(table) - 1
+    if last - rise[0] >= steps.MIN_STEADY:
+        last -= 1  # what the last step made may be the loop's variables': the step before's is not
+    window = min(steps.WINDOW, last - rise[0] + 1)
+    start, end = int(table.last_row[last - window]), int(table.last_row[last])
+    after = tally.steps.gone(end)
+    alive = tally.live.concat(after)
+    made = alive.take((alive.born > start) & (alive.born <= end))
+    lost = tally.steps.gone(start, end)
+    lost = lost.take(lost.born <= start)
+    change = int(table.end[last] - table.end[last - window])
+    unnamed = change - int(made.size.sum()) + int(lost.size.sum())
+    current = tally.live.take(tally.live.born > start)
+    freed = np.isin(made.key, after.key)
+    return Kept(table, rise, made, lost, freed, window, unnamed, current)
+
+
+def asked(result: Kept) -> np.ndarray:
+    """The addresses whose holders say why a rise's lines grow: of :attr:`Kept.made` not
+    freed, and of :attr:`Kept.current` from a line whose all were (replaced since)."""
+    made, current = result.made, result.current
+    gone = {(s, o) for s, o, f in zip(made.site, made.owner, result.freed, strict=True) if f}
+    gone -= {(s, o) for s, o, f in zip(made.site, made.owner, result.freed, strict=True) if not f}
+    replaced = [(s, o) in gone for s, o in zip(current.site, current.owner, strict=True)]
+    return np.concatenate([made.ptr[~result.freed], current.ptr[np.array(replaced, bool)]])
+
+
+def made_in_steps(found: Tallied, table: steps.StepTable) -> dict[int, int]:
+    """The storages alive now that the steps made: address -> the step that made it."""
+    live = found.tally.live
+    made = (live.born >= 0) & (live.born <= table.last_row[-1])
+    step = np.searchsorted(table.last_row, live.born[made])
+    return dict(zip(live.ptr[made].tolist(), step.tolist(), strict=True))
 
 
 def step_records(table: steps.StepTable, origin: int) -> tuple[Step, ...]:
@@ -88,6 +141,7 @@ def step_records(table: steps.StepTable, origin: int) -> tuple[Step, ...]:
     found = []
     for i, first in enumerate(firsts):
         last = (firsts[i + 1] if i + 1 < len(firsts) else n) - 1
+        ram = int(table.ram[last])
         found.append(
             Step(
                 first,
@@ -97,9 +151,19 @@ def step_records(table: steps.StepTable, origin: int) -> tuple[Step, ...]:
                 (int(table.began[first]) - origin) / 1e9,
                 (int(table.ended[last]) - origin) / 1e9,
                 last - first + 1,
+                None if ram < 0 else ram,
             )
         )
     return tuple(found)
+
+
+def lasting(graphs: Sequence[HeldGraph], table: steps.StepTable) -> tuple[HeldGraph, ...]:
+    """The graphs of `graphs` kept from (nearly) every step of `table`: at least
+    :data:`~torchmem.events.steps.RISING` of them, and more than
+    :data:`~torchmem.events.steps.MIN_STEADY` (a graph kept a few steps, as truncated
+    backpropagation through time keeps one, is no growth)."""
+    least = max(steps.MIN_STEADY + 1, math.ceil(steps.RISING * len(table)))
+    return tuple(g for g in graphs if g.steps >= least)
 
 
 def growth(
@@ -109,8 +173,10 @@ def growth(
     modules: dict[int, str],
     forwards: np.ndarray,
     held: dict[int, str],
+    graphs: tuple[HeldGraph, ...] = (),
 ) -> Growth | None:
-    """The growth finding of a device (None where its steps' ends do not rise).
+    """The growth finding of a device: where its steps' ends rise, or where `graphs` (see
+    :func:`lasting`) keep the autograd graphs of every step; else None.
 
     Args:
         names: the marks' names, by index.
@@ -119,39 +185,129 @@ def growth(
         held: address -> what held the storage there when the recording stopped
             (:func:`~torchmem.events.holders.holders`).
     """
+    table = result.table
     if result.rise is None:
-        return None
+        if not graphs or len(table) <= steps.MIN_STEADY:
+            return None
+        ram = _ram_per_step(table, 1)
+        return Growth(found.device, 0, 1, len(table) - 1, False, (), ram, graphs)
     first, per_step, exact = result.rise
-    rows = result.survivors
-    pairs = np.stack([rows.site, rows.owner], axis=1)
+    listed = _sites(found, result, names, modules, forwards, held)
+    ram = _ram_per_step(table, first)
+    return Growth(found.device, per_step, first, len(table) - first, exact, listed, ram, graphs)
+
+
+def _ram_per_step(table: steps.StepTable, first: int) -> int | None:
+    """The rise of the process's RSS over the second half of the steps from `first` to
+    the last, per step (the first half has what a run's caches, and the recording's own,
+    take once); None where either end was not read."""
+    begin = first - 1 + (len(table) - first) // 2
+    before, last = int(table.ram[begin]), int(table.ram[-1])
+    if before < 0 or last < 0:
+        return None
+    return (last - before) // (len(table) - 1 - begin)
+
+
+def _sites(
+    found: Tallied,
+    result: Kept,
+    names: NameTable,
+    modules: dict[int, str],
+    forwards: np.ndarray,
+    held: dict[int, str],
+) -> tuple[GrowthSite, ...]:
+    """The lines of a rise, each with its share of the growth per step (never 0), most
+    first: :data:`SITES` of them, the others together."""
+    assert result.rise is not None
+    nets = _nets(found, result, modules)
+    lines = {where: net for where, net in nets.items() if net}
+    shares = _shared(list(lines.values()), result.window, result.rise[1])
+    made = _members(found, result.made, modules)
+    now = _members(found, result.current, modules)
+    found_sites = []
+    for where, share in zip(lines, shares, strict=True):
+        if not share:
+            continue
+        chosen = np.array(made.get(where, []), np.int64)
+        rows, freed = result.made.take(chosen), result.freed[chosen]
+        if len(rows) and freed.all() and where in now:  # replaced since: by what lives now
+            rows = result.current.take(np.array(now[where], np.int64))
+            freed = np.zeros(len(rows), bool)
+        why = reason(rows, freed, names, modules, forwards, held) if len(rows) else None
+        key = found.sites.get(int(rows.site[0])) if len(rows) and where[1] else None
+        found_sites.append(GrowthSite(*where, share, source(key) if key else None, why))
+    found_sites.sort(key=lambda s: s.bytes_per_step, reverse=True)
+    listed, rest = found_sites[:SITES], found_sites[SITES:]
+    if sum(s.bytes_per_step for s in rest):
+        more = GrowthSite(f"<{len(rest)} more lines>", 0, "", sum(s.bytes_per_step for s in rest))
+        listed.append(more)
+    return tuple(listed)
+
+
+def _nets(found: Tallied, result: Kept, modules: dict[int, str]) -> dict[Where, int]:
+    """What the steps measured changed, by line: :attr:`Kept.made` less
+    :attr:`Kept.lost`, and what no record tells at ``<before recording>``."""
+    nets: dict[Where, int] = {}
+    for table, sign in ((result.made, 1), (result.lost, -1)):
+        for where, members in _members(found, table, modules).items():
+            nets[where] = nets.get(where, 0) + sign * int(table.size[members].sum())
+    if result.unnamed:
+        nets[BEFORE, 0, ""] = nets.get((BEFORE, 0, ""), 0) + result.unnamed
+    return nets
+
+
+def _members(found: Tallied, table: Table, modules: dict[int, str]) -> dict[Where, list[int]]:
+    """The allocations of `table` by line: their indices."""
+    site = np.where(table.born < 0, BEFORE_SITE, table.site)
+    pairs = np.stack([site, table.owner], axis=1)
     unique, inverse = np.unique(pairs, axis=0, return_inverse=True)
-    inverse = inverse.reshape(-1)
-    totals = np.bincount(inverse, weights=rows.size, minlength=len(unique))
-    sites: dict[tuple[str, int, str], list[int]] = {}
-    for group in np.argsort(-totals, kind="stable").tolist():
-        site, owner = (int(v) for v in unique[group])
-        key = found.sites.get(site)
-        where = (key[0], key[1], key[2]) if key is not None else (_pseudo(site), 0, "")
-        if owner >= 0:
-            where = (f"backward of {modules.get(owner, 'a module')}", 0, "")
-        sites.setdefault(where, []).extend(np.flatnonzero(inverse == group).tolist())
-    listed = []
-    for where, members in list(sites.items())[:SITES]:
-        chosen = np.array(members, np.int64)
-        group_rows = rows.take(chosen)
-        key = found.sites.get(int(group_rows.site[0]))
-        why = reason(group_rows, result.freed[chosen], names, modules, forwards, held)
-        listed.append(
-            GrowthSite(
-                *where,
-                int(group_rows.size.sum()) // result.counted,
-                source(key) if key is not None and where[1] else None,
-                why,
-            )
-        )
-    listed.sort(key=lambda s: s.bytes_per_step, reverse=True)
-    steady = len(result.table) - first
-    return Growth(found.device, per_step, first, steady, exact, tuple(listed))
+    found_lines: dict[Where, list[int]] = {}
+    for group, (at, by) in enumerate(unique.tolist()):
+        where = _where(found, at, by, modules)
+        found_lines.setdefault(where, []).extend(np.flatnonzero(inverse == group).tolist())
+    return found_lines
+
+
+def _where(found: Tallied, site: int, owner: int, modules: dict[int, str]) -> Where:
+    """The line of an allocation made at `site` (by autograd's engine for module
+    `owner`, where that is not -1)."""
+    if owner >= 0:
+        return (f"backward of {modules.get(owner, 'a module')}", 0, "")
+    key = found.sites.get(site)
+    if key is not None:
+        return (key[0], key[1], key[2])
+    return (_pseudo(site), 0, "")
+
+
+def _shared(nets: list[int], steps_measured: int, per_step: int) -> list[int]:
+    """Each line's bytes a step (`nets` over `steps_measured`), in whole bytes that sum to
+    the growth's `per_step` exactly: where the steps rose alike, that is what each line
+    changed a step; else (the growth is a mean over more steps) a byte more for the
+    largest remainders, or less for the smallest, and in proportion to what each changed
+    where a byte each is not enough (all 0 where the lines changed nothing in all)."""
+    shares = [net // steps_measured for net in nets]
+    rest = [net - share * steps_measured for net, share in zip(nets, shares, strict=True)]
+    missing = per_step - sum(shares)
+    if abs(missing) > len(nets):
+        return _proportion(nets, per_step)
+    order = sorted(range(len(nets)), key=lambda i: (rest[i], nets[i]))
+    for i in order[::-1][:missing] if missing > 0 else order[:-missing]:
+        shares[i] += 1 if missing > 0 else -1
+    return shares
+
+
+def _proportion(nets: list[int], per_step: int) -> list[int]:
+    """`per_step` shared in proportion to `nets`, in whole bytes that sum to it (the
+    largest remainders get a byte more); all 0 where they sum to nothing."""
+    total = sum(nets)
+    if total <= 0:
+        return [0] * len(nets)
+    scaled = [net * per_step for net in nets]
+    shares = [value // total for value in scaled]
+    order = sorted(range(len(nets)), key=lambda i: (shares[i] * total - scaled[i], i))
+    for i in order[: per_step - sum(shares)]:
+        shares[i] += 1
+    return shares
 
 
 def reason(
@@ -207,6 +363,8 @@ def _owners(rows: Table, saved: np.ndarray, names: NameTable, modules: dict[int,
 
 def _pseudo(site: int) -> str:
     """The file a site with no frame is listed under."""
+    if site == BEFORE_SITE:
+        return BEFORE
     return NO_PYTHON if site == NO_PYTHON_SITE else "<no site recorded>"
 
 

@@ -1,5 +1,6 @@
 """What holds some storages alive: a walk from a program's variables when a recording
-stops, then the garbage collector's referrers, in words a report can print.
+stops, then the garbage collector's referrers, in words a report can print; and the
+autograd graphs those variables keep across steps.
 
 From each variable of the namespace the recording was given (a script's globals, a
 block's locals), not starting with ``_``: a tensor is held by that variable; the items of
@@ -7,13 +8,14 @@ a list, tuple, set, deque or dictionary by it (``list `losses```), to :data:`DEP
 containers deep; an object's attributes by it (```trainer.cache```); a module's forward
 and backward hooks (and pre-hooks), of it and its submodules, by that hook (what their
 closures, defaults and bound objects hold). The tensors found so lead to autograd's
-graph behind them: the tensors its nodes saved for backward are held by that graph.
-Storages the walk did not reach are looked for among the tensors the garbage collector
-tracks, and their holders named where a module's globals or an object's attributes hold
-them (``list `HISTORY` in module test_model``); a tensor nothing it tracks refers to is
-held out of its sight (:data:`UNSEEN`: autograd's graph holds the tensors it saved so).
-The walk is bounded (:data:`OBJECTS` objects, :data:`NODES` graph nodes,
-:data:`TENSORS` tensors), and runs only where a step's allocations outlive it.
+graph behind them (:mod:`torchmem.events.graphs`): the tensors its nodes saved for
+backward are held by that graph (by the graph of the holder that chains the steps'
+graphs, where one does). Storages the walk did not reach are looked for among the tensors
+the garbage collector tracks, and their holders named where a module's globals or an
+object's attributes hold them (``list `HISTORY` in module test_model``); a tensor nothing
+it tracks refers to is held out of its sight (:data:`UNSEEN`: autograd's graph holds the
+tensors it saved so). The walk is bounded (:data:`OBJECTS` objects,
+:data:`~torchmem.events.graphs.NODES` graph nodes, :data:`TENSORS` tensors).
 """
 
 from __future__ import annotations
@@ -28,15 +30,14 @@ from typing import Any
 
 import torch
 
-from torchmem._compat.autograd import saved_tensors
 from torchmem._objects import tracked
+from torchmem.events.graphs import Walked, Walks, address, named
+from torchmem.records.run import HeldGraph
 
 DEPTH = 3
 """Containers and attributes followed from a variable, at most."""
 OBJECTS = 1_000_000
 """Objects the walk looks at, at most."""
-NODES = 200_000
-"""Nodes of autograd's graphs the walk looks at, at most."""
 TENSORS = 100_000
 """Tensors whose holders are looked for among the garbage collector's objects, at most."""
 GRAPH = "held by the autograd graph of "
@@ -66,7 +67,8 @@ class _Walk:
         self.wanted = wanted
         self.found: dict[int, str] = {}
         self.seen: set[int] = set()
-        self.graphs: list[tuple[str, torch.Tensor]] = []
+        self.graphs: dict[str, list[torch.Tensor]] = {}
+        """What holds tensors with a graph (``"list `losses`"``) -> those tensors."""
         self.queue: collections.deque[tuple[object, str, str | None, int]] = collections.deque()
 
     def visit(self, value: object, where: str, name: str | None, depth: int) -> None:
@@ -78,6 +80,10 @@ class _Walk:
     def run(self) -> None:
         while self.queue and len(self.seen) < OBJECTS:
             value, where, name, depth = self.queue.popleft()
+            if isinstance(value, torch.Tensor) and value.grad_fn is not None:
+                # Each holder's, even where another holds it too: a list of losses has
+                # the loop's last loss.
+                self.graphs.setdefault(where, []).append(value)
             if id(value) in self.seen or isinstance(value, _SKIPPED):
                 continue
             self.seen.add(id(value))
@@ -101,11 +107,9 @@ class _Walk:
                     self.visit(item, f"`{name}.{key}`", f"{name}.{key}", depth + 1)
 
     def _tensor(self, tensor: torch.Tensor, where: str) -> None:
-        ptr = _ptr(tensor)
+        ptr = address(tensor)
         if ptr in self.wanted:
             self.found.setdefault(ptr, f"held by {where}")
-        if tensor.grad_fn is not None:
-            self.graphs.append((where if where[0] == "`" else f"a tensor in {where}", tensor))
 
     def _module(self, module: torch.nn.Module, name: str | None, depth: int) -> None:
         for sub, child in module.named_modules():
@@ -118,21 +122,27 @@ class _Walk:
                 if not key.startswith("_") and not isinstance(item, torch.nn.Module):
                     self.visit(item, f"`{path}.{key}`", f"{path}.{key}", depth + 1)
 
-    def saved(self) -> None:
-        """The tensors the graphs behind the tensors found saved for backward."""
-        nodes: set[int] = set()
-        for where, tensor in self.graphs:
-            todo = [tensor.grad_fn]
-            while todo and len(nodes) < NODES:
-                node = todo.pop()
-                if node is None or id(node) in nodes:
-                    continue
-                nodes.add(id(node))
-                for value in saved_tensors(node):
-                    ptr = _ptr(value)
-                    if ptr in self.wanted:
-                        self.found.setdefault(ptr, GRAPH + where)
-                todo.extend(next_node for next_node, _ in node.next_functions)
+    def held_graphs(self, steps_of: Mapping[int, int]) -> list[Walked]:
+        """Walk the graphs of the tensors found that the steps made (`steps_of`: storage
+        address -> the step that made it), holder by holder; give the storages wanted that
+        they saved to the graph of the holder that chains the steps' graphs first, then to
+        the others in the walk's order. Saved tensors are read only where some wanted
+        storage is still unexplained."""
+        unexplained = bool(self.wanted - set(self.found))
+        walks = Walks(steps_of if unexplained else None)
+        walked = []
+        for where, tensors in self.graphs.items():
+            # Only those the steps made: a graph from before the recording is none of its
+            # steps' (a list a notebook's earlier cell filled).
+            mine = [t for t in tensors if address(t) in steps_of]
+            if mine:
+                walked.append(walks.walk(where, mine))
+        listed = named(walked)
+        for walk in listed + [w for w in walked if all(w is not n for n in listed)]:
+            where = walk.holder if walk.holder[0] == "`" else f"a tensor in {walk.holder}"
+            for ptr in walk.saved & self.wanted:
+                self.found.setdefault(ptr, GRAPH + where)
+        return listed
 
 
 def _inside(hook: Any) -> Iterator[object]:
@@ -149,14 +159,18 @@ def _inside(hook: Any) -> Iterator[object]:
         yield bound
 
 
-def holders(namespace: Mapping[str, object], wanted: set[int]) -> dict[int, str]:
+def holders(
+    namespace: Mapping[str, object], wanted: set[int], steps_of: Mapping[int, int]
+) -> tuple[dict[int, str], list[HeldGraph]]:
     """For each address of `wanted` (a storage's ``data_ptr()``) that a walk from the
     variables of `namespace` reaches, what holds it: ``"held by list `losses`"``, ``"held
     by a forward hook of `model.fc1`"``, ``"held by the autograd graph of `total`"``, ...
-    (the first path found; a variable's own tensors and containers before graphs)."""
-    if not wanted:
-        return {}
+    (the first path found; a variable's own tensors and containers before graphs); and
+    the holders that keep autograd graphs of more than one step, those that chain them
+    first (`steps_of`: address -> step, of the storages made in steps: see
+    :class:`~torchmem.events.graphs.Walks`)."""
     walk = _Walk(wanted)
+    graphs: list[Walked] = []
     # The program's objects may do anything when looked at (a property, a __getattr__):
     # what was found before one raises is kept, and the program goes on.
     with contextlib.suppress(Exception):
@@ -164,12 +178,12 @@ def holders(namespace: Mapping[str, object], wanted: set[int]) -> dict[int, str]
             if not name.startswith("_"):
                 walk.visit(value, f"`{name}`", name, 0)
         walk.run()
-        walk.saved()
+        graphs = walk.held_graphs(steps_of)
         missing = wanted - set(walk.found)
         if missing:
             ours = {id(namespace), id(walk.graphs), id(walk.queue)}
             walk.found.update(_referrers(missing, ours))
-    return walk.found
+    return walk.found, [g.record() for g in graphs]
 
 
 def _referrers(wanted: set[int], ours: set[int]) -> dict[int, str]:
@@ -178,7 +192,7 @@ def _referrers(wanted: set[int], ours: set[int]) -> dict[int, str]:
     list or dictionary one holds, an object's attribute); ``UNSEEN`` where a tensor has
     none that the collector sees (autograd's graph holds what it saved so)."""
     tensors = [
-        t for t in tracked(torch.Tensor) if isinstance(t, torch.Tensor) and _ptr(t) in wanted
+        t for t in tracked(torch.Tensor) if isinstance(t, torch.Tensor) and address(t) in wanted
     ][:TENSORS]
     ours = ours | {id(tensors)}
     by_tensor: dict[int, list[object]] = {id(t): [] for t in tensors}
@@ -190,7 +204,7 @@ def _referrers(wanted: set[int], ours: set[int]) -> dict[int, str]:
                 by_tensor[id(held)].append(referrer)
     found: dict[int, str] = {}
     for tensor in tensors:
-        ptr, holders_of = _ptr(tensor), by_tensor[id(tensor)]
+        ptr, holders_of = address(tensor), by_tensor[id(tensor)]
         if holders_of:
             found[ptr] = f"held by {_describe(holders_of[0], ours | {id(holders_of)})}"
         else:
@@ -217,10 +231,3 @@ def _describe(container: object, ours: set[int]) -> str:
             if getattr(obj, "__dict__", None) is owner:
                 return f"{kind} `{type(obj).__name__}.{key}`"
     return f"a {kind}"
-
-
-def _ptr(tensor: torch.Tensor) -> int:
-    try:
-        return tensor.untyped_storage().data_ptr()
-    except Exception:  # no storage (sparse, a wrapper subclass)
-        return 0

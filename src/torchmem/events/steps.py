@@ -12,7 +12,10 @@ model and of its loss module) are one step, ending at the last of them.
 Kept as the stream passes: four int64 per step (its end's time, row, use, and the highest
 use since the step before), about 32 bytes a step for each of the three kinds of end (a
 million steps: about 100 MB, as the phases of :mod:`torchmem.events.phases`); exact, as
-the stream is (every allocation and free), and linear in the rows.
+the stream is (every allocation and free), and linear in the rows. Of the allocations
+freed, those of the step in progress and, over the last :data:`WINDOW` steps, those that
+outlived the step they were made in: a growth's lines are what these steps made and kept
+less what they freed of earlier ones.
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ MIN_STEADY = 3
 """Steps after the first that must have ended before a rise is a finding."""
 RISING = 0.9
 """The share of the steady steps whose end must be above the one before."""
+WINDOW = 8
+"""The last steps whose frees of earlier steps' allocations are kept, at most."""
 _LOW = np.iinfo(np.int64).min
 
 
@@ -90,10 +95,10 @@ class Found:
     """Per kind: the rows that may end a step, the rows that separate them."""
 
     @property
-    def lasts(self) -> list[int]:
-        """The last row of each kind that may end a step (what is alive there may outlive
-        a step: it needs a record)."""
-        return [int(at[-1]) for at, _ in self.rows.values() if len(at)]
+    def ends(self) -> np.ndarray:
+        """Every row that may end a step, sorted (what is alive at one may outlive its
+        step: it needs a record)."""
+        return np.unique(np.concatenate([at for at, _ in self.rows.values()]))
 
 
 class StepEnds:
@@ -141,25 +146,32 @@ class StepEnds:
 
     def bury(self, records: Table, died: np.ndarray, dead: np.ndarray) -> None:
         """The records `dead` of `records` died, at rows `died`: kept where that was after
-        the latest end of a step of each kind (none before a step ended)."""
-        latest = [int(e.rows[-3]) for e in self.kinds.values() if e.rows]
-        if not latest:
+        the latest end of a step (of the kind that ends them now, the first of :data:`BY`
+        found), or, for those made in an earlier step than they died in, after the end
+        :data:`WINDOW` + 1 steps before it (none before a step ended)."""
+        chosen = next((e.rows for e in self.kinds.values() if e.rows), None)
+        if chosen is None:
             return
-        after = min(latest)
-        self._gone = [
-            (r, d) if (d > after).all() else (r.take(d > after), d[d > after])
-            for r, d in self._gone
-        ]
+        ends = np.frombuffer(chosen, np.int64)[1::4]
+        # The window may end a step before the last: one end more.
+        latest, after = int(ends[-1]), int(ends[max(len(ends) - 2 - WINDOW, 0)])
         late = dead & (died > after)
-        if late.any():
-            self._gone.append((records.take(late), died[late]))
-        self._gone = [(r, d) for r, d in self._gone if len(d)]
+        found = self._gone + ([(records.take(late), died[late])] if late.any() else [])
+        self._gone = []
+        for r, d in found:
+            # An end between its birth and its death: it outlived the step it was made in.
+            next_end = np.minimum(np.searchsorted(ends, r.born, side="right"), len(ends) - 1)
+            keep = (d > latest) | ((d > after) & (ends[next_end] > r.born) & (ends[next_end] < d))
+            if keep.any():
+                self._gone.append((r, d) if keep.all() else (r.take(keep), d[keep]))
 
-    def gone(self, after: int) -> Table:
-        """The records that died after row `after`."""
+    def gone(self, after: int, until: int | None = None) -> Table:
+        """The records that died after row `after` (and at or before row `until`)."""
         found = Table.empty()
         for records, died in self._gone:
-            found = found.concat(records.take(died > after))
+            found = found.concat(
+                records.take((died > after) & (True if until is None else died <= until))
+            )
         return found
 
     def read(self) -> tuple[str, np.ndarray] | None:
@@ -189,26 +201,36 @@ class StepTable:
     last_row: np.ndarray
     """Sequence number of each one's last row: a row belongs to the first step whose last
     row is at or after it."""
+    ram: np.ndarray
+    """The process's resident memory (RSS, bytes) when each ended; -1 where it was not
+    read."""
 
     def __len__(self) -> int:
         return len(self.end)
 
 
-def table(ends: StepEnds, start: int) -> StepTable | None:
-    """The steps of a tally's stream (`start`: ``time.monotonic_ns()`` at its start)."""
+def table(ends: StepEnds, start: int, ram: np.ndarray) -> StepTable | None:
+    """The steps of a tally's stream (`start`: ``time.monotonic_ns()`` at its start), with
+    the readings of the process's RSS `ram` (``time, rss`` rows in time order, from
+    :meth:`~torchmem.events.phases.Phases.ram`): each step's is the last read at or before
+    its end and after its beginning."""
     found = ends.read()
     if found is None:
         return None
     by, rows = found
     began_use = np.r_[ends.base, rows[:-1, 2]]
+    began = np.r_[start, rows[:-1, 0]]
+    at = np.searchsorted(ram[:, 0], rows[:, 0], side="right") - 1
+    read = (at >= 0) & (ram[np.maximum(at, 0), 0] >= began) if len(ram) else at >= 0
     return StepTable(
         by,
         began_use,
         np.maximum(began_use, rows[:, 3]),
         rows[:, 2],
-        np.r_[start, rows[:-1, 0]],
+        began,
         rows[:, 0],
         rows[:, 1],
+        np.where(read, ram[np.maximum(at, 0), 1] if len(ram) else -1, -1),
     )
 
 

@@ -129,7 +129,8 @@ class Tally:
         frees = np.flatnonzero(free)
         refs = rows[frees, REF]
         ends = self.steps.find(rows)
-        passing, matched = self._passing(alloc, frees, refs, ([j] if rises else []) + ends.lasts)
+        kept = np.union1d(ends.ends, [j] if rises else np.empty(0, np.int64))
+        passing, matched = self._passing(alloc, frees, refs, kept)
         made = np.flatnonzero((alloc & ~passing) | (kind == ADOPT))
         marks = np.flatnonzero(kind == MARK)
         table = self.live.concat(self._arrivals(rows, alloc, made, marks))
@@ -175,20 +176,21 @@ class Tally:
         self._keep_recent(changes)
 
     def _passing(
-        self, alloc: np.ndarray, frees: np.ndarray, refs: np.ndarray, kept: list[int]
+        self, alloc: np.ndarray, frees: np.ndarray, refs: np.ndarray, kept: np.ndarray
     ) -> tuple[np.ndarray, np.ndarray]:
         """The allocations of a chunk freed in it too, which need no record unless alive at
-        one of rows `kept` (a new peak, the chunk's last end of a step of each kind): they
-        are counted in the use already (most of a run of tiny allocations). Returns them (a
-        mask of the rows) and the frees that name them (a mask of `frees`, whose rows'
-        :data:`REF` are `refs`)."""
+        one of rows `kept` (sorted: a new peak, every end of a step here): they are counted
+        in the use already (most of a run of tiny allocations). Returns them (a mask of the
+        rows) and the frees that name them (a mask of `frees`, whose rows' :data:`REF` are
+        `refs`)."""
         n = len(alloc)
         place = refs - self.seq  # where the allocation each free names is in these rows
         inside = np.flatnonzero((place >= 0) & (place < n))
         born, gone = place[inside], frees[inside]
-        short = alloc[born]
-        for row in kept:
-            short &= (born > row) | (gone <= row)
+        # The first row kept at or after each one's birth: before its free, alive there.
+        after = np.searchsorted(kept, born)
+        alive = (after < len(kept)) & (np.r_[kept, 0][after] < gone)
+        short = alloc[born] & ~alive
         passing = np.zeros(n, bool)
         passing[born[short]] = True
         matched = np.zeros(len(frees), bool)

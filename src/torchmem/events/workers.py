@@ -114,3 +114,21 @@ def _worker(pid: int) -> tuple[tuple[int, int], int] | None:
         if line.startswith(b"VmHWM:"):
             return (pid, started), int(line.split()[1]) * 1024
     return None  # a zombie: its memory is gone already
+
+
+def unrecorded(received: int, seen: Workers | None) -> list[str]:
+    """The note that the RAM of the processes that made `received` storages (which came
+    through shared memory) was not recorded, where no worker was `seen` (None: no worker
+    was looked for)."""
+    if not received or (seen is not None and seen.processes):
+        return []
+    why = (
+        "no DataLoader worker was found among this process's children in /proc"
+        if seen is not None
+        else "it is read where the recording measures process RAM, on Linux"
+    )
+    return [
+        f"{received:,} tensor storages came from other processes through shared memory (a"
+        " DataLoader's workers, torch.multiprocessing): counted here from their arrival; the"
+        f" RAM of the processes that made them was not recorded ({why})."
+    ]

@@ -10,6 +10,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from torchmem.records.growth import (
+    STEPS_LISTED as STEPS_LISTED,
+    Growth as Growth,
+    GrowthSite as GrowthSite,
+    HeldGraph as HeldGraph,
+    Step as Step,
+)
 from torchmem.records.sites import Site as Site, SiteStack as SiteStack
 from torchmem.records.whatif import WhatIf
 from torchmem.records.workers import Workers
@@ -89,115 +96,6 @@ class Phase:
     """Seconds from the start of the recording."""
     end: float
     """Seconds from the start of the recording."""
-
-
-@dataclass(frozen=True)
-class Step:
-    """One training step on one device (see :attr:`RunRecord.steps_by` for where a step
-    ends), or, in a long run, :attr:`count` steps in a row taken together."""
-
-    index: int
-    """The step's number, from 0 (the first, where the optimizer's state appears)."""
-    start_bytes: int
-    """Bytes in use when it began (the end of the step before; the recording's start)."""
-    peak_bytes: int
-    """The highest bytes in use during it (exact: every allocation counted)."""
-    end_bytes: int
-    """Bytes in use when it ended."""
-    start: float
-    """Seconds from the start of the recording to its beginning."""
-    end: float
-    """Seconds from the start of the recording to its end."""
-    count: int = 1
-    """How many steps in a row this entry stands for (more than 1 only past
-    :data:`~torchmem.records.run.STEPS_LISTED` steps): from :attr:`index`, their first
-    start, highest peak and last end."""
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "index": self.index,
-            "count": self.count,
-            "start_bytes": self.start_bytes,
-            "peak_bytes": self.peak_bytes,
-            "end_bytes": self.end_bytes,
-            "start_s": self.start,
-            "end_s": self.end,
-        }
-
-
-STEPS_LISTED = 500
-"""Entries of :attr:`DeviceRun.steps` at most: the first step alone, the others in groups
-of as many steps in a row as it takes."""
-
-
-@dataclass(frozen=True)
-class GrowthSite:
-    """A line whose allocations outlive each step of a growth."""
-
-    file: str
-    """As :attr:`Site.file`."""
-    line: int
-    function: str
-    bytes_per_step: int
-    """Bytes allocated there in each step (their mean, where steps differ) and alive at the
-    end of the recording."""
-    source: str | None = None
-    """The text of the line, stripped; None where it cannot be read."""
-    reason: str | None = None
-    """Why they outlive their step, where it was found: ``"held by list `losses`"``,
-    ``"kept with its autograd graph (saved for backward by fc1, fc2)"``, ...; None where
-    nothing was found."""
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "file": self.file,
-            "line": self.line,
-            "function": self.function,
-            "bytes_per_step": self.bytes_per_step,
-            "source": self.source,
-            "reason": self.reason,
-        }
-
-
-@dataclass(frozen=True)
-class Growth:
-    """Memory that rises at the end of (nearly) every step after the first."""
-
-    device: str
-    bytes_per_step: int
-    """The rise from the end of the step before :attr:`first_step` to the end of the last,
-    over the steps: exactly each step's where :attr:`exact`."""
-    first_step: int
-    """The first step of the rise (1 or later: the first step's optimizer state is not a
-    rise)."""
-    steps: int
-    """Steps from :attr:`first_step` to the last."""
-    exact: bool
-    """Whether each of those steps rose by exactly :attr:`bytes_per_step`."""
-    sites: tuple[GrowthSite, ...] = ()
-    """The lines whose allocations outlive their step, most bytes first."""
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "device": self.device,
-            "bytes_per_step": self.bytes_per_step,
-            "first_step": self.first_step,
-            "steps": self.steps,
-            "exact": self.exact,
-            "sites": [s.to_json() for s in self.sites],
-        }
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> Growth:
-        sites = tuple(GrowthSite(**site) for site in data["sites"])
-        return cls(
-            data["device"],
-            data["bytes_per_step"],
-            data["first_step"],
-            data["steps"],
-            data["exact"],
-            sites,
-        )
 
 
 @dataclass(frozen=True)
@@ -438,5 +336,13 @@ def _device_from_json(name: str, entry: dict[str, Any], timeline: Any) -> Device
 
 
 def _step(data: dict[str, Any]) -> Step:
-    keys = ("index", "start_bytes", "peak_bytes", "end_bytes", "start_s", "end_s", "count")
-    return Step(*(data[k] for k in keys))
+    return Step(
+        data["index"],
+        data["start_bytes"],
+        data["peak_bytes"],
+        data["end_bytes"],
+        data["start_s"],
+        data["end_s"],
+        data["count"],
+        data.get("ram_bytes"),  # older reports: none
+    )

@@ -24,6 +24,7 @@ from torchmem.records.run import (
     DeviceRun,
     Growth,
     Held,
+    HeldGraph,
     ModulePeak,
     RunRecord,
     Site,
@@ -39,6 +40,7 @@ from torchmem.render.kit import (
     seconds,
     section_html,
     section_text,
+    signed,
     size,
 )
 from torchmem.render.whatif import what_if_section
@@ -131,26 +133,29 @@ def _sites(run: DeviceRun, top: int, width: int | None = None) -> Section | None
     )
 
 
-def _step_row(label: str, steps: Sequence[Step]) -> tuple[str, ...]:
+def _step_row(label: str, steps: Sequence[Step], ram: bool) -> tuple[str, ...]:
     peak = max(step.peak_bytes for step in steps)
     ends = (steps[0].start_bytes, peak, steps[-1].end_bytes)
-    return (label, *(readable_size(value) for value in ends))
+    row = (label, *(readable_size(value) for value in ends))
+    return (*row, size(steps[-1].ram_bytes)) if ram else row
 
 
 def _steps(record: RunRecord, run: DeviceRun) -> Section | None:
     """The first step, then the others together (their first start, highest peak, last
-    end); and the growth, where there is one."""
+    end, and the process's RSS at the end, where it was read); and the growth, where
+    there is one."""
     if not run.steps:
         return None
     first, rest = run.steps[0], run.steps[1:]
-    rows = [_step_row("0 (first)", [first])]
+    ram = any(step.ram_bytes is not None for step in run.steps)
+    rows = [_step_row("0 (first)", [first], ram)]
     if rest:
         last = rest[-1].index + rest[-1].count - 1
-        rows.append(_step_row(f"1 to {last}" if last > 1 else "1", rest))
+        rows.append(_step_row(f"1 to {last}" if last > 1 else "1", rest, ram))
     return Section(
         f"Steps on {run.device} (each ends where {_ends(record.steps_by)}):",
         rows,
-        header=("steps", "start", "peak", "end"),
+        header=("steps", "start", "peak", "end") + (("ram at end",) if ram else ()),
         more=GROWTH_BREAK.join(growth_lines(run.growth)) if run.growth else "",
     )
 
@@ -164,13 +169,27 @@ def _ends(by: str | None) -> str:
 
 
 def growth_lines(growth: Growth) -> list[str]:
-    """The growth in words: one line for the rise, then one per line of code whose
-    allocations outlive their step (what each step leaves, where, and why)."""
-    exactly = f", exactly at each of {growth.steps} steps" if growth.exact else ""
-    lines = [
-        f"{growth.device} grows {readable_size(growth.bytes_per_step)} per step from step"
-        f" {growth.first_step}{exactly}:"
-    ]
+    """The growth in words: one line for the rise (of the tensors, and of the process's
+    RAM), then one per line of code whose allocations outlive their step (what each step
+    leaves, where, and why), then one per variable that keeps autograd graphs of every
+    step (and how to stop it)."""
+    ram = (
+        ""
+        if growth.ram_bytes_per_step is None
+        else f"RAM {signed(growth.ram_bytes_per_step)} per step"
+    )
+    if growth.bytes_per_step or growth.sites:
+        exactly = f", exactly at each of {growth.steps} steps" if growth.exact else ""
+        lines = [
+            f"{growth.device} grows {readable_size(growth.bytes_per_step)} per step from step"
+            f" {growth.first_step}{exactly}{f' ({ram})' if ram else ''}:"
+        ]
+    else:
+        over = f"from step {growth.first_step}, over {growth.steps} steps"
+        lines = [
+            f"{growth.device} tensors do not grow, autograd graphs of every step do"
+            f" ({f'{ram} ' if ram else ''}{over}):"
+        ]
     for site in growth.sites:
         code = f" (`{site.source}`)" if site.source else ""
         why = f", {site.reason}" if site.reason else ""
@@ -178,9 +197,26 @@ def growth_lines(growth: Growth) -> list[str]:
             f"  {readable_size(site.bytes_per_step)} each step from"
             f" {located(site.file, site.line)}{code}{why}"
         )
-    if not growth.sites:
+    if growth.bytes_per_step and not growth.sites:
         lines.append("  (no line of code's allocations outlive their step: freed later)")
+    lines += [f"  {graph_words(graph)}" for graph in growth.graphs]
     return lines
+
+
+def graph_words(graph: HeldGraph) -> str:
+    """What a variable does with the autograd graphs it keeps, and how to stop it."""
+    least = "" if graph.complete else "at least "
+    count = f"{least}{graph.steps:,} steps ({least}{graph.nodes:,} nodes)"
+    if graph.chained:
+        return (
+            f"{graph.holder} chains each step's autograd graph to the one before: it keeps"
+            f" the graphs of {count}; detach it each step (`.detach()`, or `.item()` for"
+            " a number)"
+        )
+    return (
+        f"{graph.holder} keeps an autograd graph of each of {count}; keep what it holds"
+        " detached (`.detach()`, or `.item()` for a number)"
+    )
 
 
 def _shape(held: Held) -> str:

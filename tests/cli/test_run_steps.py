@@ -138,6 +138,8 @@ def test_batches_from_dataloader_workers_grow_at_the_loops_line_as_without(
             "reason": "held by list `kept`",
         }
     ]
+    for report in reports:  # the process's RSS is not the same with workers (nor exact)
+        report["devices"]["cpu"]["growth"].pop("ram_bytes_per_step")
     for key in ("start_bytes", "peak_bytes", "end_bytes", "growth", "categories_at_end"):
         assert len({json.dumps(r["devices"]["cpu"][key]) for r in reports}) == 1, key
     bytes_of = ("start_bytes", "peak_bytes", "end_bytes")

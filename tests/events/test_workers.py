@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -86,7 +87,8 @@ def test_with_workers_every_figure_is_as_without() -> None:
                     (s.peak_bytes - cpu.start_bytes, s.end_bytes - cpu.start_bytes)
                     for s in cpu.steps
                 ],
-                cpu.growth,
+                # the process's RSS is not the same with workers (nor exact): left out
+                None if cpu.growth is None else replace(cpu.growth, ram_bytes_per_step=0),
                 cpu.categories_at_end,
             )
         )

@@ -367,9 +367,15 @@ def peak_reset(backend: str) -> Callable[[int], Any] | None:
 _AUTOGRAD_NODE = lookup("torch._C._current_autograd_node")
 
 
+def backward_node() -> Any:
+    """The autograd node (a ``grad_fn``) whose backward formula this thread runs now; None
+    outside a backward pass, or where this PyTorch cannot say."""
+    return _AUTOGRAD_NODE() if _AUTOGRAD_NODE is not None else None
+
+
 def in_backward() -> bool:
     """Whether autograd is computing gradients in this thread (a backward pass)."""
-    return _AUTOGRAD_NODE is not None and _AUTOGRAD_NODE() is not None
+    return backward_node() is not None
 
 
 def own_parameters(module: torch.nn.Module) -> dict[str, torch.nn.Parameter | None]:

@@ -20,10 +20,9 @@ from typing import Any
 
 import torch
 
-from torchmem._compat import lookup, unsupported
+from torchmem._compat import backward_node, lookup, unsupported
 
 _SEQUENCE = lookup("torch._C._autograd._get_sequence_nr")
-_CURRENT_NODE = lookup("torch._C._current_autograd_node")
 
 _PUSH_SAVED = lookup("torch._C._autograd._push_saved_tensors_default_hooks")
 _POP_SAVED = lookup("torch._C._autograd._pop_saved_tensors_default_hooks")
@@ -132,7 +131,7 @@ def _message(saved: Saved) -> str:
     saved it for its output, else the tensor's own node now (the in-place operation's)."""
     tensor, version, output_nr, origin = saved
     if origin is None:
-        node = _CURRENT_NODE() if _CURRENT_NODE is not None else None
+        node = backward_node()
     else:
         original = origin()
         node = None if original is None else original.grad_fn

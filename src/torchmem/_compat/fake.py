@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from torchmem._compat import lookup, unsupported
+from torchmem._compat import backward_node, lookup, unsupported
 
 _FAKE = "torch._subclasses.fake_tensor"
 _ESTIMATOR = "Estimating memory"
@@ -73,13 +73,10 @@ def view_base(tensor: torch.Tensor) -> torch.Tensor | None:
     return tensor._base
 
 
-_CURRENT_NODE = lookup("torch._C._current_autograd_node")
-
-
-def backward_node() -> tuple[str, int] | None:
+def backward_operator() -> tuple[str, int] | None:
     """The name and sequence number of the autograd node whose backward formula runs in
     this thread now (``("IndexBackward0", 12)``); None outside a backward pass."""
-    node = _CURRENT_NODE() if _CURRENT_NODE is not None else None
+    node = backward_node()
     if node is None:
         return None
     return node.name(), node._sequence_nr()

@@ -38,7 +38,7 @@ from typing import Any, Protocol
 
 import torch
 
-from torchmem._compat.fake import FakeTensor, backward_node, op_schema
+from torchmem._compat.fake import FakeTensor, backward_operator, op_schema
 
 aten = torch.ops.aten
 
@@ -247,7 +247,7 @@ class Kernels:
     def in_place(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Swap | None:
         """``(operator, args, kwargs)`` to run instead of `func` on `args`, where a backward
         formula of :data:`IN_PLACE` would run it in place on real tensors; else None."""
-        node = backward_node()
+        node = backward_operator()
         self._backward = node is not None
         swaps = IN_PLACE.get(node[0]) if node is not None else None
         self._listed = swaps is not None

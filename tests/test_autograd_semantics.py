@@ -114,3 +114,23 @@ def test_a_marked_test_expecting_the_error_passes(pytester: pytest.Pytester) -> 
     pytester.makepyfile(autograd_cases=Path(cases.__file__).read_text())
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:memray")
     result.assert_outcomes(passed=2)
+
+
+def test_torchmems_own_look_at_what_a_graph_saved_sees_what_was_modified_since() -> None:
+    """Reading a node's saved tensors is torchmem's look (what holds a leak), not the
+    program's: the in-place check made for the program must not stop it at a weight the
+    optimizer changed, and a saved tensor is held by the graph, not by a tuple of ours."""
+    from torchmem._compat.autograd import saved_tensors
+    from torchmem.events.graphs import address
+    from torchmem.events.holders import UNSEEN, _referrers
+
+    with torchmem.record("cpu"):
+        x, w = torch.randn(64, 64, requires_grad=True), torch.randn(64, 64, requires_grad=True)
+        y = (x * 2) * w  # MulBackward0 saves other (w), then self (x * 2)
+    with torch.no_grad():
+        w.add_(1)  # as an optimizer's step does
+    saved = {address(t) for t in saved_tensors(y.grad_fn)}
+    assert saved == {address(w), address(y.grad_fn._saved_self)} and len(saved) == 2
+    assert _referrers({address(y.grad_fn._saved_self)}, set()) == {
+        address(y.grad_fn._saved_self): UNSEEN
+    }

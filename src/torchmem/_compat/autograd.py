@@ -72,24 +72,40 @@ def saved_tensors(node: Any) -> Iterator[torch.Tensor]:
     """The tensors autograd node `node` (a ``grad_fn``) saved for backward, through its
     ``_saved_<name>`` attributes (PyTorch's way to inspect them); none that a backward
     pass freed (it frees a node's all at once: the first that raises ends the look, each
-    raise costing PyTorch about 13 microseconds)."""
+    raise costing PyTorch about 13 microseconds). Those modified in place since they were
+    saved too: this look is torchmem's, not the program's (:func:`unpack` lets it through)."""
     kind = type(node)
     names = _SAVED.get(kind)
     if names is None:
         names = _SAVED[kind] = [n for n in dir(node) if n.startswith("_saved_")]
-    for name in names:
-        try:
-            value = getattr(node, name)
-        except Exception:  # freed by a backward pass
-            return
-        if isinstance(value, torch.Tensor):
-            yield value
+    found = []
+    _looking.on = True
+    try:
+        for name in names:
+            try:
+                value = getattr(node, name)
+            except Exception:  # freed by a backward pass
+                break
+            if isinstance(value, torch.Tensor):
+                found.append(value)
+    finally:
+        _looking.on = False
+    return iter(found)
 
 
-Saved = tuple[torch.Tensor, int, int, "weakref.ref[torch.Tensor] | None"]
-"""What a saved tensor is packed into: a detached alias (the same storage and version
-counter, without the tensor's graph), its version, its ``output_nr``, and a weak
-reference to the tensor itself (None for an output of the node that saves it)."""
+_looking = threading.local()
+"""``on`` while torchmem reads what autograd saved (:func:`saved_tensors`)."""
+
+
+class Saved(tuple[Any, ...]):
+    """What a saved tensor is packed into: a detached alias (the same storage and version
+    counter, without the tensor's graph), its version, its ``output_nr``, and a weak
+    reference to the tensor itself (None for an output of the node that saves it). A class
+    of its own, so that a look for what holds a tensor passes over it: autograd's graph
+    holds it."""
+
+    __slots__ = ()
+
 
 _HEAD = (
     "one of the variables needed for gradient computation has been modified by an inplace "
@@ -114,14 +130,14 @@ def pack(tensor: torch.Tensor) -> Saved:
         origin = None
     else:
         origin = weakref.ref(tensor)
-    return tensor.detach(), tensor._version, tensor.output_nr, origin
+    return Saved((tensor.detach(), tensor._version, tensor.output_nr, origin))
 
 
 def unpack(saved: Saved) -> torch.Tensor:
     """The saved tensor, where it was not modified in place since it was saved; else the
     ``RuntimeError`` autograd raises without hooks."""
-    tensor, version = saved[:2]
-    if tensor._version != version:
+    tensor: torch.Tensor = saved[0]
+    if tensor._version != saved[1] and not getattr(_looking, "on", False):
         raise RuntimeError(_message(saved))
     return tensor
 

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from torchmem._compat.autograd import Saved
 from torchmem._objects import tracked
 from torchmem.events.graphs import Walked, Walks, address, named
 from torchmem.records.run import HeldGraph
@@ -197,8 +198,8 @@ def _referrers(wanted: set[int], ours: set[int]) -> dict[int, str]:
     ours = ours | {id(tensors)}
     by_tensor: dict[int, list[object]] = {id(t): [] for t in tensors}
     for referrer in gc.get_referrers(*tensors):
-        if id(referrer) in ours or isinstance(referrer, types.FrameType):
-            continue
+        if id(referrer) in ours or isinstance(referrer, (types.FrameType, Saved)):
+            continue  # a frame of ours, or autograd's graph holding what it saved
         for held in gc.get_referents(referrer):
             if id(held) in by_tensor:
                 by_tensor[id(held)].append(referrer)

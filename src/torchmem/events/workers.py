@@ -5,8 +5,10 @@ the process's children and grandchildren (a forkserver's children are its worker
 ``/proc/self/task/*/children``, and reads each one's ``VmHWM`` from ``/proc/<pid>/status``
 every :data:`INTERVAL` seconds: the highest resident set size the kernel saw in that
 process since it started. A worker's peak is its mark at the last reading before it
-ended, so a rise after that reading is missed: the peaks are sampled. Linux only; where
-there is no ``/proc``, no worker is found.
+ended, so a rise after that reading is missed: the peaks are sampled. The kernel reads the
+RSS it reports from per-CPU counters without folding them in, so a reading can be a few pages
+off (a later one lower by 8 KiB has been seen). Linux only; where there is no ``/proc``, no
+worker is found.
 """
 
 from __future__ import annotations

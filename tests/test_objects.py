@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import gc
+import os
+import subprocess
 import sys
 import time
 import weakref
@@ -124,6 +126,23 @@ def test_a_walk_of_every_object_never_shares_a_tuple_another_thread_is_building(
     (``SystemError: Objects/tupleobject.c: bad argument to internal function``) on the
     first of these walks."""
     assert building_tuples_beside(lambda: tracked(torch.Tensor), 20) == []
+
+
+@pytest.mark.integration  # a fresh process, since an audit hook stays for its life
+def test_a_walk_in_a_process_with_an_audit_hook_never_shares_a_tuple(tmp_path) -> None:
+    """``id()`` raises an audit event: a walk that called it ran the process's audit hooks
+    (Python) while it held every object, and broke the builder's tuple."""
+    script = tmp_path / "audited.py"
+    script.write_text(
+        "import sys, torch\n"
+        "from torchmem._objects import tracked\n"
+        "from tuple_builder import building_tuples_beside\n"
+        "sys.addaudithook(lambda event, args: None)\n"
+        "print(building_tuples_beside(lambda: tracked(torch.Tensor), 20))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env)
+    assert (done.returncode, done.stdout, done.stderr) == (0, "[]\n", "")
 
 
 def test_the_builder_fails_beside_a_walk_that_holds_every_object() -> None:

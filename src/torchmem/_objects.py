@@ -82,7 +82,7 @@ def tracked(*bases: type) -> list[object]:
 
 def _tracked(kinds: frozenset[type]) -> list[object]:
     """:func:`tracked` for the classes `kinds` exactly."""
-    wanted = frozenset(map(id, kinds))  # ints: hashing a class may run Python
+    wanted = frozenset(map(_identity, kinds))
     collecting = gc.isenabled()
     gc.disable()
     try:
@@ -103,9 +103,17 @@ def holders() -> list[object]:
     return _tracked(kinds - subclasses(FakeTensor))
 
 
+_identity = object.__hash__
+"""A class's identity as an int, in C alone: a class's own hash may run Python (its
+metaclass's ``__hash__``), and so may ``id()``, which raises an audit event that any
+:func:`sys.addaudithook` hook hears. ``object.__hash__`` is the address, rotated: distinct
+for distinct live objects."""
+
+
 def _walk(wanted: frozenset[int]) -> Iterator[object]:
     """A lazy C iterator that, when consumed, lists every tracked object, yields those
-    whose class (by id) is `wanted` and drops the list; nothing is read before.
+    whose class (by :data:`_identity`) is `wanted` and drops the list; nothing is read
+    before.
 
     The list is shared by the two passes through `box`, and dropped by emptying it. Each
     pass is run to its end, since an iterator stopped early would keep the list, and the
@@ -115,7 +123,9 @@ def _walk(wanted: frozenset[int]) -> Iterator[object]:
     keep: Iterator[object] = filter(None, map(box.append, itertools.starmap(gc.get_objects, ((),))))
     # One item past the list on the objects' side: the verdicts' side reaches its end first.
     objects = itertools.chain(itertools.chain.from_iterable(box), (None,))
-    verdicts = map(wanted.__contains__, map(id, map(type, itertools.chain.from_iterable(box))))
+    verdicts = map(
+        wanted.__contains__, map(_identity, map(type, itertools.chain.from_iterable(box)))
+    )
     drop: Iterator[object] = filter(None, itertools.starmap(box.clear, ((),)))
     return itertools.chain(keep, itertools.compress(objects, verdicts), drop)
 

@@ -3,6 +3,7 @@ stand-ins for ``torch.cuda`` and NVML live in :mod:`standins`."""
 
 from __future__ import annotations
 
+import functools
 import gc
 import signal
 import sys
@@ -13,9 +14,10 @@ from typing import TYPE_CHECKING
 import pytest
 import torch
 
-from standins import CudaStandIn, hide_gpus, isolated
+import torchmem.meters
+from standins import CudaStandIn, hide_gpus
 
-pytest_plugins = ("pytester",)  # the pytest plugin's tests run pytest
+pytest_plugins = ("pytester", "lanes")  # the plugin's tests run pytest; the lanes (lanes.py)
 
 if TYPE_CHECKING:
     from IPython.core.interactiveshell import InteractiveShell
@@ -37,6 +39,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Tests marked `counting` need the counting CPU allocator: skip them where it cannot be
+    built. Asked here, when the first such test runs, never while collecting: making the CPU
+    meter installs the allocator into this process."""
+    if item.get_closest_marker("counting") is not None and not _counting():
+        pytest.skip("needs the counting CPU allocator (a C++ compiler)")
+
+
+@functools.cache
+def _counting() -> bool:
+    from torchmem.meters import meter
+
+    return getattr(meter("cpu"), "backend", "") == "allocator"
 
 
 @pytest.fixture(autouse=True)
@@ -78,8 +95,8 @@ def no_gpu(monkeypatch: pytest.MonkeyPatch) -> CudaStandIn:
 @pytest.fixture
 def isolated_meters(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """A fresh meter registry and NVML cache for the test (so the CPU tensor meter starts at
-    0 bytes, and no stand-in leaks into the next test)."""
-    with isolated(monkeypatch):
+    0 bytes, and no stand-in leaks into the next test); `monkeypatch` is undone after it."""
+    with torchmem.meters.isolated():
         yield
 
 

@@ -18,6 +18,8 @@ import torch
 import autograd_cases as cases
 import torchmem
 
+pytestmark = pytest.mark.integration
+
 IN_PLACE = "modified by an inplace operation"
 NODE = re.compile(r", which is output \d+ of [^,]+,")
 

@@ -18,6 +18,8 @@ from benchmarks import cells, lines, meters, peaks, reporter, run as run_command
 from standins import call_in_fresh_process_without_gpu
 from torchmem import MemReporter
 
+pytestmark = pytest.mark.integration
+
 FLOAT32 = 4
 SHAPES = {"0.weight": (1024, 1024), "0.bias": (1024,), "2.weight": (10, 1024), "2.bias": (10,)}
 NAMES = [

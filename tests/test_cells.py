@@ -40,7 +40,7 @@ HEADER = re.compile(r"^RAM:\s+Consumed Peaked  Used Total  in \d+\.\d{3}s( \(In 
 GEN_ROW = re.compile(r"^Gen: +-?\d+ +\d+ +\d+ MB$")
 
 
-pytestmark = pytest.mark.usefixtures("isolated_meters")
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("isolated_meters")]
 
 
 @pytest.fixture

@@ -35,7 +35,6 @@ from torchmem import (
     preload_pytorch,
 )
 from torchmem.cli import main
-from torchmem.meters import nvml as torchmem_nvml
 
 pytestmark = pytest.mark.cuda
 
@@ -62,11 +61,9 @@ def _clean_state() -> Iterator[None]:
 @pytest.fixture
 def without_nvml(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """Read the device through ``torch.cuda.mem_get_info`` even where NVML is installed."""
-    monkeypatch.setattr(torchmem.meters, "_meters", {})
     monkeypatch.setitem(sys.modules, "pynvml", None)
-    torchmem_nvml.nvml.cache_clear()
-    yield
-    torchmem_nvml.nvml.cache_clear()
+    with torchmem.meters.isolated():
+        yield
 
 
 def empty(nbytes: int) -> torch.Tensor:

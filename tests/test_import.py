@@ -9,6 +9,8 @@ import pytest
 
 import torchmem
 
+pytestmark = pytest.mark.integration
+
 CHECK = """
 import sys, threading
 import torch

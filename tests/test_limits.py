@@ -286,10 +286,7 @@ def test_trains():
 """
 
 
-@pytest.mark.skipif(
-    getattr(meter("cpu"), "backend", "") != "allocator",
-    reason="needs the counting CPU allocator (a C++ compiler)",
-)
+@pytest.mark.counting
 def test_a_leak_in_a_training_loop_names_its_growth_per_step(
     pytester: pytest.Pytester, no_gpu: object
 ) -> None:

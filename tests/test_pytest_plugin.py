@@ -28,6 +28,8 @@ from standins import (
     gpu_uuid,
 )
 
+pytestmark = pytest.mark.integration
+
 MiB = 2**20
 
 SIZES = """

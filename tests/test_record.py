@@ -27,10 +27,7 @@ from torchmem.meters import meter
 from torchmem.records.frames import BACKWARD, shown
 from torchmem.records.run import CATEGORIES, DeviceRun, Held, ModulePeak, Phase, RunRecord, Site
 
-pytestmark = pytest.mark.skipif(
-    getattr(meter("cpu"), "backend", "") != "allocator",
-    reason="needs the counting CPU allocator (a C++ compiler)",
-)
+pytestmark = pytest.mark.counting
 HERE = shown(__file__)
 """This file as sites name it."""
 

@@ -11,6 +11,8 @@ import torch
 from standins import MiB
 from torchmem import get_ref_free_exc_info, gpu_mem_restore, gpu_mem_restore_ctx, meter
 
+pytestmark = pytest.mark.integration
+
 
 @pytest.fixture(autouse=True)
 def no_setting(monkeypatch):

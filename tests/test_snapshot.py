@@ -21,6 +21,8 @@ from torchmem.errors import SnapshotError, TorchmemError
 from torchmem.records.run import Site
 from torchmem.snapshot import BEFORE_TRACE, NO_FRAMES, Snapshot, load_snapshot
 
+pytestmark = pytest.mark.integration
+
 A = 0x7F0000000000
 """The address of the first segment."""
 B = A + 0x10000000

@@ -29,6 +29,8 @@ from torchmem.records.run import DeviceRun, Site, SiteStack
 from torchmem.records.snapshot_file import MAX_TUPLE_DEPTH, SnapshotUnpickler
 from torchmem.snapshot import MAX_STACK_FRAMES, Snapshot, load_snapshot
 
+pytestmark = pytest.mark.integration
+
 NOT_UTF8 = os.fsdecode(b"/tmp/x\xff/train.py")
 """A script's path in a folder whose name is not UTF-8, as Python names it (U+DCFF)."""
 

@@ -25,14 +25,9 @@ from pathlib import Path
 
 import pytest
 
-from torchmem.meters import meter
-
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(
-        getattr(meter("cpu"), "backend", "") != "allocator",
-        reason="needs the counting CPU allocator (a C++ compiler)",
-    ),
+    pytest.mark.counting,
 ]
 
 HANG_SECONDS = 60

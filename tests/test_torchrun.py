@@ -18,14 +18,10 @@ from pathlib import Path
 import pytest
 
 from standins import MiB
-from torchmem.meters import meter
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(
-        getattr(meter("cpu"), "backend", "") != "allocator",
-        reason="needs the counting CPU allocator (a C++ compiler)",
-    ),
+    pytest.mark.counting,
 ]
 
 JOB = textwrap.dedent(

@@ -30,10 +30,7 @@ from torchmem.meters import meter
 from torchmem.meters.base import background_thread
 from torchmem.recording import record
 
-counting = pytest.mark.skipif(
-    getattr(meter("cpu"), "backend", "") != "allocator",
-    reason="needs the counting CPU allocator (a C++ compiler)",
-)
+counting = pytest.mark.counting
 unix = pytest.mark.skipif(sys.platform == "win32", reason="needs a pseudo-terminal")
 TITLE = "torchmem: where the memory went"
 COLUMNS = 100

@@ -14,13 +14,9 @@ import pytest
 
 from standins import KiB, MiB
 from torchmem.cli import main
-from torchmem.meters import meter
 
 ROOT = Path(__file__).resolve().parents[2]
-counting = pytest.mark.skipif(
-    getattr(meter("cpu"), "backend", "") != "allocator",
-    reason="needs the counting CPU allocator (a C++ compiler)",
-)
+counting = pytest.mark.counting
 
 KNOWN = textwrap.dedent(
     """\

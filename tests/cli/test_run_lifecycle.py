@@ -17,12 +17,8 @@ from pathlib import Path
 import pytest
 
 from standins import MiB
-from torchmem.meters import meter
 
-counting = pytest.mark.skipif(
-    getattr(meter("cpu"), "backend", "") != "allocator",
-    reason="needs the counting CPU allocator (a C++ compiler)",
-)
+counting = pytest.mark.counting
 forks = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 TITLE = "torchmem: where the memory went"
 

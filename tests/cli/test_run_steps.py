@@ -13,12 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from torchmem.meters import meter
-
-pytestmark = pytest.mark.skipif(
-    getattr(meter("cpu"), "backend", "") != "allocator",
-    reason="needs the counting CPU allocator (a C++ compiler)",
-)
+pytestmark = pytest.mark.counting
 
 LEAKS = textwrap.dedent(
     """\

@@ -27,6 +27,8 @@ from torchmem.estimator.changes import Changes, applied
 from torchmem.estimator.gpus import GPUS, capacity
 from torchmem.records.run import ModulePeak
 
+pytestmark = pytest.mark.integration
+
 MIB = 2**20
 
 

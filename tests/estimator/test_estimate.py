@@ -17,6 +17,8 @@ from torch.utils.checkpoint import checkpoint
 import torchmem
 from torchmem.estimator import EstimateError, estimate, max_batch_size
 
+pytestmark = pytest.mark.integration
+
 MIB = 2**20
 
 

@@ -18,6 +18,8 @@ import torchmem
 import transformer_lm as lm
 from torchmem.estimator import estimate
 
+pytestmark = pytest.mark.integration
+
 
 def measured(step: Callable[[], Any]) -> int:
     """The peak of a real run of `step` above the memory in use before it, by the CPU meter

@@ -14,6 +14,8 @@ import torch
 from torchmem.cli.estimate import _target
 from torchmem.estimator import EstimateError, estimate
 
+pytestmark = pytest.mark.integration
+
 MODEL = """
 import torch
 

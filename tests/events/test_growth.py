@@ -15,13 +15,9 @@ import torch
 from torch import nn
 
 import torchmem
-from torchmem.meters import meter
 from torchmem.records.run import DeviceRun, Growth, HeldGraph
 
-pytestmark = pytest.mark.skipif(
-    getattr(meter("cpu"), "backend", "") != "allocator",
-    reason="needs the counting CPU allocator (a C++ compiler)",
-)
+pytestmark = pytest.mark.counting
 STEPS = 6
 ACTIVATION = 65_536
 ROW = 1_024

@@ -279,10 +279,7 @@ def test_html_shows_each_stack_of_a_site_under_its_bytes() -> None:
     ) in render_run.html(record)
 
 
-needs_allocator = pytest.mark.skipif(
-    getattr(meter("cpu"), "backend", "") != "allocator",
-    reason="needs the counting CPU allocator (a C++ compiler)",
-)
+needs_allocator = pytest.mark.counting
 
 
 @pytest.fixture

@@ -17,13 +17,9 @@ from torch.cuda import _memory_viz
 import torchmem
 from standins import KiB, MiB
 from torchmem.errors import TorchmemError
-from torchmem.meters import meter
 from torchmem.records.frames import shown
 
-pytestmark = pytest.mark.skipif(
-    getattr(meter("cpu"), "backend", "") != "allocator",
-    reason="needs the counting CPU allocator (a C++ compiler)",
-)
+pytestmark = pytest.mark.counting
 
 HERE = shown(__file__)
 

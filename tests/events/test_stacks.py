@@ -26,15 +26,11 @@ from standins import MiB
 from torchmem.events.analysis import Names, device_run
 from torchmem.events.hooks import Watcher
 from torchmem.events.sources import Log, cuda_events
-from torchmem.meters import meter
 from torchmem.records.frames import SiteKey, Stack, located, shown, stack_site
 from torchmem.records.run import Site, SiteStack
 from torchmem.render.icicle import SMALLEST, UNNAMED
 
-counting = pytest.mark.skipif(
-    getattr(meter("cpu"), "backend", "") != "allocator",
-    reason="needs the counting CPU allocator (a C++ compiler)",
-)
+counting = pytest.mark.counting
 HERE = shown(__file__)
 RECORDED = Path(__file__).resolve().parents[1] / "data" / "gpu_truth" / "recorded"
 

@@ -22,13 +22,9 @@ from torchmem.events.notes import Notes
 from torchmem.events.sources import Log
 from torchmem.events.steps import rise
 from torchmem.events.tally import CLOSE, HIT, OPEN, STEP
-from torchmem.meters import meter
 from torchmem.records.run import DeviceRun, GrowthSite, HeldGraph
 
-pytestmark = pytest.mark.skipif(
-    getattr(meter("cpu"), "backend", "") != "allocator",
-    reason="needs the counting CPU allocator (a C++ compiler)",
-)
+pytestmark = pytest.mark.counting
 STEPS = 6
 ACTIVATION = 64 * KiB
 """One 64 x 256 float32 activation: 65,536 bytes."""

@@ -15,13 +15,9 @@ from torch import nn
 
 import torchmem
 from standins import MiB
-from torchmem.meters import meter
 from torchmem.records.run import CATEGORIES
 
-pytestmark = pytest.mark.skipif(
-    getattr(meter("cpu"), "backend", "") != "allocator",
-    reason="needs the counting CPU allocator (a C++ compiler)",
-)
+pytestmark = pytest.mark.counting
 
 STEPS = 3
 

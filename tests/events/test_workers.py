@@ -16,14 +16,13 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import torchmem
-from torchmem.meters import meter
 from torchmem.meters.cpu import live_storages
 from torchmem.records.run import DeviceRun
 
-pytestmark = pytest.mark.skipif(
-    getattr(meter("cpu"), "backend", "") != "allocator" or sys.platform != "linux",
-    reason="needs the counting CPU allocator (a C++ compiler) and /proc",
-)
+pytestmark = [
+    pytest.mark.counting,
+    pytest.mark.skipif(sys.platform != "linux", reason="reads the workers in /proc"),
+]
 BATCH = 64 * 256 * 4
 """One batch of inputs, 64 x 256 float32: 65,536 bytes."""
 

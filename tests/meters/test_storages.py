@@ -18,10 +18,7 @@ from standins import MiB
 from torchmem import MemTrace, meter
 from torchmem.meters import Meter
 
-pytestmark = pytest.mark.skipif(
-    getattr(meter("cpu"), "backend", "") != "allocator",
-    reason="needs the counting CPU allocator (a C++ compiler)",
-)
+pytestmark = pytest.mark.counting
 
 WRAPPED = ("_new_shared_fd_cpu", "_share_fd_cpu_", "_new_using_fd_cpu", "from_file")
 PYTORCHS = {name: vars(torch.UntypedStorage).get(name) for name in WRAPPED}

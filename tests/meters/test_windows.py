@@ -26,9 +26,8 @@ def test_the_environment_chooses_the_dispatch_backend(isolated_meters, monkeypat
     assert isinstance(meter("cpu"), CpuDispatchMeter)
     assert isinstance(meter("cpu"), TensorMeter)
     assert meter("cpu").backend == "dispatch"
-    monkeypatch.setattr(torchmem.meters, "_meters", {})
     monkeypatch.setenv("TORCHMEM_CPU_METER", "bogus")
-    with pytest.raises(ValueError, match="TORCHMEM_CPU_METER='bogus'"):
+    with torchmem.meters.isolated(), pytest.raises(ValueError, match="TORCHMEM_CPU_METER='bogus'"):
         meter("cpu")
 
 

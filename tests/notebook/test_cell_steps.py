@@ -14,13 +14,9 @@ pytest.importorskip("IPython")  # the notebook extra
 
 from IPython.core.interactiveshell import InteractiveShell
 
-from torchmem.meters import meter
 from torchmem.notebook.memlog import register
 
-pytestmark = pytest.mark.skipif(
-    getattr(meter("cpu"), "backend", "") != "allocator",
-    reason="needs the counting CPU allocator (a C++ compiler)",
-)
+pytestmark = pytest.mark.counting
 
 SETUP = """\
 from torch import nn

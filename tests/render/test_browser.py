@@ -23,6 +23,8 @@ from test_snapshot import snapshot_dict
 from torchmem.records.run import RunRecord
 from torchmem.snapshot import Snapshot
 
+pytestmark = pytest.mark.integration
+
 SCREENSHOTS = Path(__file__).resolve().parents[2] / "scripts" / "screenshots.py"
 
 

@@ -11,8 +11,8 @@ a GPU (the way ``wookayin/gpustat``'s tests stand in for NVML).
 * :class:`NvmlStandIn` (:mod:`standins.nvml`): a ``pynvml`` module that lists every
   physical device in PCI order, with MIG instances, whatever CUDA shows.
 
-:func:`install_gpus` installs both with pytest's ``monkeypatch``; :func:`isolated` gives
-each test torchmem's meter registry and NVML cache fresh (:mod:`standins.install`).
+:func:`install_gpus` installs both with pytest's ``monkeypatch`` (:mod:`standins.install`);
+:func:`torchmem.meters.isolated` gives a test torchmem's meter registry and NVML cache fresh.
 
 For tests about a machine without a GPU, on every machine: :func:`hide_gpus` makes this
 process see none, :func:`environ_without_gpu` is the environment for a subprocess that
@@ -43,7 +43,6 @@ from standins.install import (
     environ_without_gpu,
     hide_gpus,
     install_gpus,
-    isolated,
 )
 from standins.nvml import (
     NVMLError,
@@ -79,5 +78,4 @@ __all__ = [
     "gpu_uuid",
     "hide_gpus",
     "install_gpus",
-    "isolated",
 ]

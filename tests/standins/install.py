@@ -3,41 +3,20 @@ machine without a GPU in this process or in a subprocess."""
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import json
 import os
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import pytest
 
-import torchmem.meters
 from standins.cuda import CudaStandIn
 from standins.gpu import StandInGpu
 from standins.nvml import NvmlStandIn
-from torchmem.meters import allocator, nvml as torchmem_nvml
-
-
-@contextlib.contextmanager
-def isolated(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """Give torchmem a fresh meter registry and NVML cache for one test, and clear the
-    NVML cache again afterwards (use as ``with isolated(monkeypatch): yield`` in a fixture).
-
-    ``torchmem.meters.meter()`` keeps one meter per device in ``torchmem.meters._meters``
-    and ``torchmem.meters.nvml.nvml()`` caches the loaded module; both would otherwise
-    carry stand-ins from one test into the next.
-    """
-    monkeypatch.setattr(torchmem.meters, "_meters", {})
-    monkeypatch.setattr(allocator, "_watching", {})  # no window left open by another test
-    torchmem_nvml.nvml.cache_clear()
-    try:
-        yield
-    finally:
-        torchmem_nvml.nvml.cache_clear()
 
 
 class StandIns(NamedTuple):

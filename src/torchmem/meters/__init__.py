@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
 
 import torch
 
+from torchmem.meters import allocator, nvml
 from torchmem.meters.allocator import AllocatorMeter
 from torchmem.meters.base import Meter, SampledMeter, Window
 from torchmem.meters.cpu import CpuAllocatorMeter, CpuDispatchMeter, cpu_meter
@@ -27,6 +30,7 @@ __all__ = [
     "TensorMeter",
     "Window",
     "device_meter",
+    "isolated",
     "meter",
 ]
 
@@ -80,6 +84,26 @@ def device_meter(index: int | None = None) -> DeviceMeter:
         if not isinstance(meter, DeviceMeter):
             meter = _meters[key] = DeviceMeter(device.index)
     return meter
+
+
+@contextlib.contextmanager
+def isolated() -> Iterator[None]:
+    """For tests: inside the block, :func:`meter` and :func:`device_meter` make new meters
+    (over the CUDA or NVML stand-ins the test installed, on the CPU backend
+    ``$TORCHMEM_CPU_METER`` asks for), NVML is loaded anew and no window opened before is
+    watched; after it, the process's own meters are back. Windows opened inside must be
+    closed inside."""
+    global _meters
+    with _meters_lock:
+        kept, _meters = _meters, {}
+    nvml.nvml.cache_clear()
+    try:
+        with allocator.isolated():
+            yield
+    finally:
+        nvml.nvml.cache_clear()
+        with _meters_lock:
+            _meters = kept
 
 
 def _make(key: str) -> Meter:

@@ -6,7 +6,7 @@ import contextlib
 import os
 import threading
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from functools import partial
 from typing import Any
 
@@ -164,6 +164,20 @@ _watching: dict[str, set[AllocatorMeter]] = {}
 """The allocator meters with an open window, by backend (``"cuda"``, ``"xpu"``): while
 there is one, resets of that backend's peak counters are intercepted."""
 _watching_lock = threading.RLock()
+
+
+@contextlib.contextmanager
+def isolated() -> Iterator[None]:
+    """For tests: inside the block no window opened before it is watched, and after it
+    none opened inside is (see :func:`torchmem.meters.isolated`)."""
+    global _watching
+    with _watching_lock:
+        kept, _watching = _watching, {}
+    try:
+        yield
+    finally:
+        with _watching_lock:
+            _watching = kept
 
 
 def _device_index(kind: str, device: object) -> int | None:

@@ -589,6 +589,7 @@ def test_devices_text_names_the_dispatch_fallback_and_why() -> None:
     )
 
 
+@pytest.mark.integration  # the CLI measures the CPU for real
 @pytest.mark.parametrize("nvml", ["present", "missing"])
 def test_cli_devices_json_has_each_visible_gpus_bytes(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], nvml: str
@@ -627,6 +628,7 @@ def test_cli_devices_json_has_each_visible_gpus_bytes(
     assert data["ram"]["process"] > 0
 
 
+@pytest.mark.integration  # the CLI measures the CPU for real
 def test_cli_devices_text_has_a_row_per_visible_gpu(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -16,6 +16,8 @@ from torchmem.records.limits import Elsewhere, Limit, Origin, Usage, Verdict
 from torchmem.records.tensors import TensorRecord
 from torchmem.render.limits import explanation, failure, summary
 
+pytestmark = pytest.mark.integration
+
 MiB = 2**20
 KEPT: list[torch.Tensor] = []
 

@@ -57,6 +57,7 @@ def live() -> list[torch.Tensor]:
     return [weight * 2, plain, plain[:10]]
 
 
+@pytest.mark.integration
 def test_a_real_cpu_allocator_error_is_explained_exactly(ram):
     assert meter("cpu").backend == "allocator"  # torchmem's counting allocator is PyTorch's
     tensors = live()

@@ -375,6 +375,7 @@ def test_gathering_without_a_process_group_says_what_to_do() -> None:
         gather_reports(record(1))
 
 
+@pytest.mark.integration  # a real gloo group, measured
 def test_gather_reports_on_a_one_rank_gloo_group() -> None:
     import torch.distributed as dist
 
@@ -448,6 +449,7 @@ def test_a_failed_rank_prints_what_arrived_when_rank_zero_does_not(
 # -- the command line's choice -----------------------------------------------------------
 
 
+@pytest.mark.integration  # measures the CPU for real
 def test_a_job_of_one_process_runs_as_a_single_process(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:

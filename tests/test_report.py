@@ -21,6 +21,8 @@ from torchmem.recording import RunReport
 from torchmem.report import Report
 from torchmem.snapshot import Snapshot
 
+pytestmark = pytest.mark.integration
+
 
 def made_here() -> None:
     torch.zeros(1024, 1024)  # 4,194,304 bytes

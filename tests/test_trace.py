@@ -13,6 +13,8 @@ import torchmem
 from standins import CudaStandIn, MiB, StandInGpu, call_in_fresh_process_without_gpu, gpu_uuid
 from torchmem import GPUMemTrace, MemTrace, gpu_mem_trace, mem_trace
 
+pytestmark = pytest.mark.integration
+
 
 def mib(n: int) -> torch.Tensor:
     return torch.empty(n * MiB, dtype=torch.uint8)

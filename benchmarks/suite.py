@@ -68,8 +68,12 @@ class Config:
     long_repeat: int = 1
     """Runs of each contender in the long-run case (minutes each: one round, so that the
     whole suite stays under an hour)."""
+    long_scale: float = 1.0
+    """Fraction of the long runs' steps."""
     tiny_repeat: int = 5
     """Rounds of each contender in the tiny-allocation case (about 40 s a round)."""
+    tiny_scale: float = 1.0
+    """Fraction of the tiny-allocation case's allocations."""
     zoo_models: int | None = None
     """Models of the estimator's zoo (None: all)."""
     record_repeat: int = 21
@@ -89,9 +93,11 @@ TINY = Config(
     tests=2,
     snapshot_entries=2_000,
     long_repeat=1,
+    long_scale=0.001,
     tiny_repeat=1,
-    zoo_models=2,
-    record_repeat=3,
+    tiny_scale=0.0002,
+    zoo_models=3,
+    record_repeat=1,
 )
 
 
@@ -189,13 +195,13 @@ def recorder_sections(config: Config, cases: Collection[int] | None = None) -> I
 
 def long_runs(config: Config) -> Iterator[str]:
     yield "## 11. torchmem run on long training runs\n\n" + doc(long)
-    runs = long.measure(config.long_repeat, config.scale)
+    runs = long.measure(config.long_repeat, config.long_scale)
     yield processes.table(runs) + "\n\n" + long.verdicts(runs)
 
 
 def tiny_allocations(config: Config) -> Iterator[str]:
     yield "## 12. Many tiny allocations\n\n" + doc(allocations)
-    runs = allocations.measure(config.tiny_repeat, config.scale)
+    runs = allocations.measure(config.tiny_repeat, config.tiny_scale)
     yield processes.table(runs) + "\n\n" + allocations.verdicts(runs)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import os
 import signal
 import sys
 import threading
@@ -29,6 +30,21 @@ def pytest_configure(config: pytest.Config) -> None:
     the tests that press Ctrl-C in a child need it to be heard there."""
     if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Under ``coverage run``, a pytest-xdist worker (a subprocess coverage.py measures) saves
+    what it measured here: at its exit would be too late, since a worker that is not gone 10 s
+    after it was told to stop is killed, and its data with it."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        return
+    try:
+        from coverage import Coverage
+    except ImportError:
+        return
+    measuring = Coverage.current()
+    if measuring is not None:
+        measuring.save()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

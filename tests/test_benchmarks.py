@@ -1,15 +1,39 @@
-"""The benchmarks run (in a tiny configuration), so they cannot rot. No times asserted."""
+"""The benchmarks run (in a tiny configuration), so they cannot rot. No times asserted.
 
+The whole suite runs once, in a fresh process, as ``python -m benchmarks`` runs it; what the
+cases it runs in processes of their own (``torchmem run``, torchrun, the long runs, tiny
+allocations, a recording's fixed cost, the model zoo) returned there is checked case by case
+(a subtest each), rather than by running each case again."""
+
+import base64
+import pickle
 import subprocess
 import sys
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any, NamedTuple
 
 import pytest
-from benchmarks import cells, lines, meters, peaks, suite
+from benchmarks import (
+    allocations,
+    cells,
+    fixed,
+    lines,
+    long,
+    meters,
+    peaks,
+    ranks,
+    run as run_command,
+    suite,
+    zoo,
+)
 
 import torchmem
 from standins import call_in_fresh_process_without_gpu, hide_gpus
 
 pytestmark = pytest.mark.slow  # the benchmarks themselves, in tiny configurations
+KEPT: tuple[ModuleType, ...] = (run_command, ranks, long, allocations, fixed, zoo)
+"""The cases whose ``measure`` results the whole suite's run hands back."""
 
 
 def test_meter_benchmark_runs_and_tabulates():
@@ -117,16 +141,43 @@ def test_cell_benchmark_shows_a_missing_package(monkeypatch):
     assert "| ipyexperiments CellLogger | not installed | - |" in cells.table(rows, 0.01)
 
 
+class Whole(NamedTuple):
+    """One run of the tiny suite: its report, the sections it showed as it went (joined),
+    and what each of :data:`KEPT`'s ``measure`` returned, by module."""
+
+    report: str
+    shown: str
+    measured: dict[ModuleType, Any]
+
+
 def whole_suite() -> list[str]:
-    """The tiny suite's report, and the sections it showed as it went, joined."""
+    """Run in a fresh process: :class:`Whole`'s fields, ``measured`` pickled (base64)."""
+    measured: dict[str, Any] = {}
+    for module in KEPT:
+
+        def keeping(*args: Any, _measure: Any = module.measure, _name: str = module.__name__):
+            measured[_name] = _measure(*args)
+            return measured[_name]
+
+        module.measure = keeping
     shown: list[str] = []
     report = suite.run(suite.TINY, show=shown.append)
-    return [report, "\n".join(shown) + "\n"]
+    return [report, "\n".join(shown) + "\n", base64.b64encode(pickle.dumps(measured)).decode()]
 
 
-def test_the_whole_suite_runs_and_writes_its_sections():
-    # In a fresh process, as `python -m benchmarks` runs: see test_benchmark_reporter.py.
-    report, shown = call_in_fresh_process_without_gpu(whole_suite)
+def test_the_whole_suite_runs_and_each_case_tabulates(subtests: pytest.Subtests) -> None:
+    report, shown, measured = call_in_fresh_process_without_gpu(whole_suite)
+    by_name = pickle.loads(base64.b64decode(measured))
+    whole = Whole(report, shown, {module: by_name[module.__name__] for module in KEPT})
+    with subtests.test("sections"):
+        sections_are_written(whole)
+    for module, check in CHECKS.items():
+        with subtests.test(module.__name__):
+            check(whole.measured[module])
+
+
+def sections_are_written(whole: Whole) -> None:
+    report = whole.report
     assert report.startswith("# Benchmark results\n\n- Date: ")
     headings = [line for line in report.splitlines() if line.startswith("## ")]
     assert headings == [
@@ -146,7 +197,7 @@ def test_the_whole_suite_runs_and_writes_its_sections():
         "## 14. Estimator model zoo",
     ]
     assert report.count("Skipped: no CUDA device on this machine.") == 3
-    assert shown == report  # each section shown as it was measured
+    assert whole.shown == report  # each section shown as it was measured
     assert report.rstrip().splitlines()[-1].startswith("Whole run: ")
 
 
@@ -164,10 +215,7 @@ def test_cuda_variants_run_on_a_real_gpu():
     assert all(ratio is not None for _, name, _, ratio in rows if name.startswith("torchmem"))
 
 
-def test_run_benchmark_runs_and_tabulates():
-    from benchmarks import run
-
-    rows = run.measure(repeat=1, steps=1)
+def run_tabulates(rows: list[Any]) -> None:
     assert [name for _, name, _, _ in rows] == [
         "python",
         "torchmem run --no-sites",
@@ -176,17 +224,14 @@ def test_run_benchmark_runs_and_tabulates():
         "PyTorch profiler + export_memory_timeline",
     ]
     assert rows[0][3] == 1.0
-    verdicts = run.verdicts(rows).splitlines()
+    verdicts = run_command.verdicts(rows).splitlines()
     assert [line.split(":")[0] for line in verdicts] == [
         "- torchmem run --no-sites",
         "- torchmem run",
     ]
 
 
-def test_torchrun_benchmark_runs_and_tabulates():
-    from benchmarks import ranks
-
-    rows = ranks.measure(repeat=1, steps=1)
+def torchrun_tabulates(rows: list[Any]) -> None:
     assert [name for _, name, _, _ in rows] == ["torchrun", "torchrun -m torchmem run"]
     assert rows[0][3] == 1.0
     assert ranks.verdicts(rows).startswith("- torchrun -m torchmem run: ")
@@ -266,10 +311,7 @@ def test_process_tables_and_verdicts():
     )
 
 
-def test_long_run_benchmark_runs_and_tabulates():
-    from benchmarks import long
-
-    runs = long.measure(repeat=1, scale=0.001)
+def long_runs_tabulate(runs: list[Any]) -> None:
     cases = [
         "examples/train_lm.py --steps 2",
         "examples/train_lm.py --steps 20",
@@ -288,10 +330,7 @@ def test_long_run_benchmark_runs_and_tabulates():
     assert [line.count("(target ") for line in verdicts] == [1, 2, 2] * 3
 
 
-def test_tiny_allocation_benchmark_runs_and_tabulates():
-    from benchmarks import allocations
-
-    runs = allocations.measure(repeat=1, scale=0.0002)
+def tiny_allocations_tabulate(runs: list[Any]) -> None:
     assert [run.contender for run in runs] == list(allocations.CONTENDERS)
     assert {run.case for run in runs} == {"1,000 x torch.empty(1)"}
     assert all(run.tail is not None for run in runs)
@@ -301,10 +340,8 @@ def test_tiny_allocation_benchmark_runs_and_tabulates():
     assert [line.count("(target ") for line in verdicts] == [2, 2]
 
 
-def test_fixed_cost_benchmark_runs_and_tabulates():
-    from benchmarks import fixed
-
-    rows, objects = fixed.measure(repeat=1)
+def fixed_cost_tabulates(measured: tuple[list[Any], int]) -> None:
+    rows, objects = measured
     assert [name for _, name, _, _ in rows] == list(fixed.CONTENDERS)
     assert rows[0][3] == 1.0
     assert objects > 1000
@@ -338,14 +375,22 @@ def test_plugin_verdict_holds_torchmem_to_pytest_memray_in_the_same_run():
     )
 
 
-def test_zoo_benchmark_estimates_real_architectures_as_measured():
+def zoo_estimates_real_architectures_as_measured(rows: list[Any]) -> None:
     pytest.importorskip("transformers")
-    from benchmarks import zoo
-
-    rows = zoo.measure(3)
     assert [row.model for row in rows] == list(zoo.MODELS)[:3]
     for row in rows:
         assert row.estimated is not None, row.error
         assert abs(row.estimated - row.measured) <= 0.02 * row.measured
     assert [line.endswith(": met)") for line in zoo.verdicts(rows).splitlines()] == [True] * 3
     assert zoo.table(rows).count("\n") == 2 + 3 - 1
+
+
+CHECKS: dict[ModuleType, Callable[[Any], None]] = {
+    run_command: run_tabulates,
+    ranks: torchrun_tabulates,
+    long: long_runs_tabulate,
+    allocations: tiny_allocations_tabulate,
+    fixed: fixed_cost_tabulates,
+    zoo: zoo_estimates_real_architectures_as_measured,
+}
+"""What each of :data:`KEPT`'s results must be."""

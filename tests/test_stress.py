@@ -34,7 +34,7 @@ HANG_SECONDS = 60
 """An iteration that takes longer has hung: faulthandler dumps every thread and exits."""
 RUNS = 3
 """Fresh processes that run the workload ITERATIONS times, each inside a recording."""
-ITERATIONS = 60
+ITERATIONS = 30
 CLI_RUNS = 3
 """``torchmem run`` of the workload, CLI_ITERATIONS times inside, each inside a recording
 of its own (nested in the run's)."""

@@ -7,8 +7,10 @@
   ``meters/``, ``events/``, ``lines/``, ``notebook/`` and ``cli/``, which measure for real,
   and tests marked ``integration``, ``counting`` or ``cuda`` (a module marks all its tests
   with ``pytestmark``).
-- ``slow``: stress, torchrun, a notebook kernel, the benchmarks, 2.7B estimates. Tests
-  marked ``slow``, whatever else they are marked.
+- ``slow``: tests of seconds each: stress, torchrun, a Jupyter kernel, the benchmarks, the
+  2.7B estimates, the C++ builds, the live terminal view, loops of 100,000 steps, whole
+  programs estimated or run many ways. Tests marked ``slow``, whatever else they are
+  marked. They run first, so that parallel workers finish together.
 
 ``pytest --lane unit`` runs one lane (``--lane integration --lane slow`` two; ``-m "not
 slow"`` the first two). A unit test that starts a process, forks or loads the counting
@@ -67,13 +69,13 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    chosen = config.getoption("lane")
-    if not chosen:
-        return
+    chosen = config.getoption("lane") or LANES
     dropped = [item for item in items if lane(item) not in chosen]
     if dropped:
         config.hook.pytest_deselected(items=dropped)
-        items[:] = [item for item in items if lane(item) in chosen]
+    items[:] = sorted(
+        (item for item in items if lane(item) in chosen), key=lambda item: lane(item) != "slow"
+    )
 
 
 @pytest.fixture(autouse=True)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.slow
 TESTS = Path(__file__).parent
 
 PROBE = """

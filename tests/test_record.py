@@ -529,6 +529,7 @@ def test_a_forked_child_records_nothing() -> None:
     assert done.stdout == "0\n"
 
 
+@pytest.mark.slow  # 3,000 recordings
 def test_recordings_share_one_stream_and_one_fork_handler() -> None:
     """Each recording made a new stream, whose fork handler (never removed) kept it alive:
     3,000 recordings left 3,000 handlers that ran at every fork."""

@@ -54,6 +54,7 @@ def test_devices_json_names_the_cpu_backend(no_gpu, capsys, monkeypatch, isolate
     assert (cpu["backend"], cpu["detail"]) == ("dispatch", "chosen by TORCHMEM_CPU_METER")
 
 
+@pytest.mark.slow  # a build
 def test_build_builds_into_the_cache_and_self_tests(tmp_path):
     env = {**os.environ, "TORCHMEM_CACHE_DIR": str(tmp_path)}
     done = subprocess.run(

@@ -30,6 +30,8 @@ from torchmem.meters import meter
 from torchmem.meters.base import background_thread
 from torchmem.recording import record
 
+pytestmark = pytest.mark.slow
+
 counting = pytest.mark.counting
 unix = pytest.mark.skipif(sys.platform == "win32", reason="needs a pseudo-terminal")
 TITLE = "torchmem: where the memory went"

@@ -85,6 +85,7 @@ def test_a_missing_module_is_one_line_as_python_says_it_and_no_report(tmp_path: 
     assert TITLE not in done.stderr
 
 
+@pytest.mark.slow
 def test_a_directory_and_a_zip_file_with_a_main_run_as_python_runs_them(tmp_path: Path) -> None:
     main = ZEROS + textwrap.dedent(
         """\

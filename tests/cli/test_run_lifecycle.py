@@ -100,6 +100,7 @@ def project(tmp_path: Path, source: str) -> Path:
     return tmp_path
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("end", "code"), [("", 0), ("sys.exit(3)", 3), ("raise KeyError('k')", 1)])
 @pytest.mark.parametrize("how", [["job/job.py"], ["-m", "job.job"]], ids=["script", "-m"])
 def test_atexit_handlers_run_with_the_scripts_main_argv_and_path(

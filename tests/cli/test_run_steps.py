@@ -105,6 +105,7 @@ DataLoader workers (argument 2) they arrive in shared memory, each step the batc
 first (``in_order=False``)."""
 
 
+@pytest.mark.slow
 def test_batches_from_dataloader_workers_grow_at_the_loops_line_as_without(
     tmp_path: Path,
 ) -> None:

@@ -293,6 +293,7 @@ def test_a_change_that_raises_the_peak_is_noted_with_its_rise() -> None:
     )
 
 
+@pytest.mark.slow
 def test_the_largest_batch_fits_and_one_more_does_not_when_run() -> None:
     limit = 10 * MIB
     advice = torchmem.advise(block_step, 32, device="cpu", capacity=limit)

@@ -14,7 +14,7 @@ import torch
 from torchmem.cli.estimate import _target
 from torchmem.estimator import EstimateError, estimate
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.slow
 
 MODEL = """
 import torch

@@ -29,7 +29,7 @@ from torchmem.estimator.replay import replay, start_layout
 from torchmem.estimator.settings import recorded as recorded_settings
 from torchmem.estimator.whatif import what_if
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.slow
 
 RECORDED = Path(__file__).resolve().parents[1] / "data" / "gpu_truth" / "recorded"
 FACTS = json.loads((RECORDED / "facts.json").read_text())

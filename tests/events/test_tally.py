@@ -297,6 +297,7 @@ def test_engine_allocations_are_named_after_the_innermost_backward_pass() -> Non
         }
 
 
+@pytest.mark.slow
 def test_what_a_tally_keeps_does_not_grow_with_the_events() -> None:
     """Ten times the steps: no more records than addresses in use (62), at most a few spans
     and pending names, and a window of raw rows that stops at its size."""
@@ -316,6 +317,7 @@ def test_what_a_tally_keeps_does_not_grow_with_the_events() -> None:
         assert small[2] < large[2] == WINDOW
 
 
+@pytest.mark.slow
 def test_a_recording_holds_no_more_for_a_million_allocations_than_for_a_quarter() -> None:
     """Our own memory (the tally's numpy arrays, which tracemalloc sees) is bounded by what
     the report needs, not by the number of allocations; none of it is the program's."""

@@ -24,7 +24,10 @@ import torch
 
 from torchmem.meters import native
 
-pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="no counting allocator there")
+pytestmark = [
+    pytest.mark.slow,  # builds the library, several times
+    pytest.mark.skipif(sys.platform == "win32", reason="no counting allocator there"),
+]
 ROOT = sys.platform != "win32" and os.geteuid() == 0
 
 METER = (

@@ -467,6 +467,7 @@ def test_no_compiler_on_path_falls_back(tmp_path):
     assert list(tmp_path.glob("cache/*")) == []  # no half-built file left behind
 
 
+@pytest.mark.slow  # a build
 def test_a_fresh_cache_is_built_once_and_reused(tmp_path):
     env = {**os.environ, "TORCHMEM_CACHE_DIR": str(tmp_path)}
     for _ in range(2):

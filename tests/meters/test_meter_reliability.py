@@ -93,6 +93,7 @@ def fork_and_wait(m: Meter) -> int | None:
         time.sleep(0.005)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 @pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
 def test_children_forked_while_another_thread_opens_windows_measure_exactly(any_meter):
@@ -256,6 +257,7 @@ def test_a_window_dropped_in_a_reference_cycle_is_released_by_the_collector(mode
     assert dispatch_mode_stack() == []
 
 
+@pytest.mark.slow
 def test_windows_collected_inside_operators_leave_pytorch_dispatching(mode_meter):
     m = mode_meter
     thresholds = gc.get_threshold()

@@ -13,10 +13,11 @@
   marked. They run first, so that parallel workers finish together.
 
 ``pytest --lane unit`` runs one lane (``--lane integration --lane slow`` two; ``-m "not
-slow"`` the first two). A unit test that starts a process, forks or loads the counting
-allocator fails at teardown, naming what it did: mark it ``integration``. The guard is an
-audit hook (:func:`sys.addaudithook`): it sees every thread, and records only while a unit
-test runs.
+slow"`` the first two). Under ``coverage run``, the processes slow tests start are not
+measured (:func:`slow_processes_unmeasured`). A unit test that starts a process, forks or
+loads the counting allocator fails at teardown, naming what it did: mark it
+``integration``. The guard is an audit hook (:func:`sys.addaudithook`): it sees every
+thread, and records only while a unit test runs.
 """
 
 from __future__ import annotations
@@ -95,6 +96,20 @@ def unit_lane_guard(request: pytest.FixtureRequest) -> Iterator[None]:
             f"a unit test {', '.join(sorted(set(seen)))}: mark it integration (tests/lanes.py)",
             pytrace=False,
         )
+
+
+@pytest.fixture(autouse=True)
+def slow_processes_unmeasured(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Under ``coverage run``, the processes a slow test starts run unmeasured: coverage.py
+    follows the others (``patch = ["subprocess"]``), but measured, the slow lane's hundreds
+    of processes (benchmarks, stress, torchrun ranks) took as long again as the rest of the
+    suite, and run the code the integration lane's processes run."""
+    if lane(request.node) != "slow":
+        yield
+        return
+    with pytest.MonkeyPatch.context() as patch:
+        patch.delenv("COVERAGE_PROCESS_CONFIG", raising=False)
+        yield
 
 
 def _audit(event: str, args: tuple[object, ...]) -> None:

@@ -9,6 +9,7 @@ set to ``dispatch``, and the library is checked never to have been loaded there.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -49,9 +50,9 @@ def test_the_fallbacks_tests_pass_where_the_counting_allocator_never_was(tmp_pat
             "-p",
             "no:cacheprovider",
             "-k",
-            "dispatch",
+            # the library's own log functions are tested whatever the backend: not here
+            "dispatch and not hooks_log_functions",
             str(TESTS / "meters" / "test_cpu_meter.py"),
-            str(TESTS / "meters" / "test_meter_reliability.py"),
         ],
         cwd=TESTS.parent,
         env=env,
@@ -61,4 +62,4 @@ def test_the_fallbacks_tests_pass_where_the_counting_allocator_never_was(tmp_pat
     )
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     assert "the counting CPU allocator was never loaded" in done.stdout
-    assert " passed" in done.stdout and " failed" not in done.stdout
+    assert re.search(r"\b(2[0-9]|[3-9][0-9]) passed", done.stdout), done.stdout[-2000:]

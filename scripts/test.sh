@@ -12,13 +12,14 @@ source scripts/env.sh
 "$PY" -m mypy
 "$PY" -m mkdocs build --strict --site-dir "$(mktemp -d)"
 "$PY" -m coverage erase
-# The lanes (tests/lanes.py) on every core: the unit lane first, alone, where its guard sees
-# any process or counting allocator a unit test starts; then the other two, together so that
-# the workers stay busy. pytest's exit code 5 is "no test selected" (an -m or -k that leaves
-# a lane empty).
+# The lanes (tests/lanes.py) on every core: the unit lane first, by itself, where its guard
+# sees any process or counting allocator a unit test starts; then the other two, together so
+# that the workers stay busy; then the tests marked `alone`, one at a time. pytest's exit
+# code 5 is "no test selected" (an -m or -k that leaves a run empty).
 for lanes in "--lane unit" "--lane integration --lane slow"; do
     # shellcheck disable=SC2086
-    "$PY" -m coverage run -m pytest $lanes -n auto --durations=30 "$@" || [[ $? == 5 ]]
+    "$PY" -m coverage run -m pytest $lanes -m "not alone" -n auto --durations=30 "$@" || [[ $? == 5 ]]
 done
+"$PY" -m coverage run -m pytest -m alone "$@" || [[ $? == 5 ]]
 "$PY" -m coverage combine --quiet
 "$PY" -m coverage report

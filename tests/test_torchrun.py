@@ -273,6 +273,10 @@ def machine_masked(line: str) -> str:
     return " ".join(cells)
 
 
+# The 7.11M the sample shows at ddp.py:49 is made by gloo's completion callback, which runs
+# in the main thread (the line) or in gloo's (no line) as the ranks' timing falls: beside
+# other tests, on a loaded machine, it fell the other way in 3 runs of 3.
+@pytest.mark.alone
 def test_the_readmes_torchrun_sample_is_what_the_example_prints(tmp_path: Path) -> None:
     root = Path(__file__).resolve().parent.parent
     code, _, err = finished(

@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
+from collections.abc import Collection
 from pathlib import Path
 
 from benchmarks import processes
@@ -86,14 +87,17 @@ def commands(wrapper: str, steps: int, options: tuple[str, ...]) -> dict[str, li
     )
 
 
-def measure(repeat: int, scale: float) -> list[Run]:
+def measure(repeat: int, scale: float, cases: Collection[int] | None = None) -> list[Run]:
     """A row per case and contender: medians of `repeat` rounds, contenders alternating;
-    the lengths are those of :data:`CASES` times `scale`."""
+    the lengths are those of :data:`CASES` times `scale`; only the `cases` (indices in
+    :data:`CASES`) where given."""
     found: list[Run] = []
     with tempfile.TemporaryDirectory() as folder:
         wrapper = Path(folder, "train_lm_timed.py")
         wrapper.write_text(WRAPPER)
-        for full, options in CASES:
+        for index, (full, options) in enumerate(CASES):
+            if cases is not None and index not in cases:
+                continue
             steps = max(1, round(full * scale))
             case = " ".join(("examples/train_lm.py", "--steps", str(steps), *options))
             found += processes.measure(

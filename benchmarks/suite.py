@@ -70,6 +70,8 @@ class Config:
     whole suite stays under an hour)."""
     long_scale: float = 1.0
     """Fraction of the long runs' steps."""
+    long_cases: Collection[int] | None = None
+    """The long runs' cases to run, by index in ``long.CASES`` (None: all)."""
     tiny_repeat: int = 5
     """Rounds of each contender in the tiny-allocation case (about 40 s a round)."""
     tiny_scale: float = 1.0
@@ -94,6 +96,7 @@ TINY = Config(
     snapshot_entries=2_000,
     long_repeat=1,
     long_scale=0.001,
+    long_cases=(0, 2),  # the 20,000 steps of case 1 differ from case 0's only in length
     tiny_repeat=1,
     tiny_scale=0.0002,
     zoo_models=3,
@@ -195,7 +198,7 @@ def recorder_sections(config: Config, cases: Collection[int] | None = None) -> I
 
 def long_runs(config: Config) -> Iterator[str]:
     yield "## 11. torchmem run on long training runs\n\n" + doc(long)
-    runs = long.measure(config.long_repeat, config.long_scale)
+    runs = long.measure(config.long_repeat, config.long_scale, config.long_cases)
     yield processes.table(runs) + "\n\n" + long.verdicts(runs)
 
 

@@ -20,6 +20,11 @@ from standins import CudaStandIn, hide_gpus
 
 pytest_plugins = ("pytester", "lanes")  # the plugin's tests run pytest; the lanes (lanes.py)
 
+# torch.compile's first use in an inductor cache folder compiles a probe for each vector
+# instruction set the CPU lists (11 s here); the tests trust the list instead. Set before
+# any test starts a process, so that those inherit it.
+os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "1")
+
 if TYPE_CHECKING:
     from IPython.core.interactiveshell import InteractiveShell
 

@@ -13,8 +13,8 @@
   marked. They run first, so that parallel workers finish together.
 
 ``pytest --lane unit`` runs one lane (``--lane integration --lane slow`` two; ``-m "not
-slow"`` the first two). Under ``coverage run``, the processes slow tests start are not
-measured (:func:`slow_processes_unmeasured`). A unit test that starts a process, forks or
+slow"`` the first two). Under ``coverage run``, slow tests and the processes they start are
+not measured (:func:`slow_tests_unmeasured`). A unit test that starts a process, forks or
 loads the counting allocator fails at teardown, naming what it did: mark it
 ``integration``. The guard is an audit hook (:func:`sys.addaudithook`): it sees every
 thread, and records only while a unit test runs.
@@ -99,17 +99,30 @@ def unit_lane_guard(request: pytest.FixtureRequest) -> Iterator[None]:
 
 
 @pytest.fixture(autouse=True)
-def slow_processes_unmeasured(request: pytest.FixtureRequest) -> Iterator[None]:
-    """Under ``coverage run``, the processes a slow test starts run unmeasured: coverage.py
-    follows the others (``patch = ["subprocess"]``), but measured, the slow lane's hundreds
-    of processes (benchmarks, stress, torchrun ranks) took as long again as the rest of the
-    suite, and run the code the integration lane's processes run."""
+def slow_tests_unmeasured(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Under ``coverage run``, a slow test runs unmeasured, and so do the processes it
+    starts: coverage.py follows the others (``patch = ["subprocess"]``), but measured, the
+    slow lane's hundreds of processes (benchmarks, stress, torchrun ranks) took as long again
+    as the rest of the suite, and its long loops a fifth longer, running the code the
+    integration lane runs. (pytest-cov's ``no_cover`` pauses coverage.py the same way.)"""
     if lane(request.node) != "slow":
         yield
         return
-    with pytest.MonkeyPatch.context() as patch:
-        patch.delenv("COVERAGE_PROCESS_CONFIG", raising=False)
-        yield
+    try:
+        from coverage import Coverage
+
+        measuring = Coverage.current()
+    except ImportError:  # coverage.py is not installed: nothing measures
+        measuring = None
+    if measuring is not None:
+        measuring.stop()
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.delenv("COVERAGE_PROCESS_CONFIG", raising=False)
+            yield
+    finally:
+        if measuring is not None:
+            measuring.start()
 
 
 def _audit(event: str, args: tuple[object, ...]) -> None:

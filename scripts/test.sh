@@ -9,17 +9,22 @@ source scripts/env.sh
 "$PY" -m pip install --quiet -e ".[dev]"
 "$PY" -m ruff check src tests benchmarks
 "$PY" -m ruff format --check src tests benchmarks
-"$PY" -m mypy
-"$PY" -m mkdocs build --strict --site-dir "$(mktemp -d)"
+# The type check and the manual's build run beside the unit lane (they use one core, for
+# half a minute); what they print comes after it.
+checks="$(mktemp)"
+("$PY" -m mypy && "$PY" -m mkdocs build --strict --site-dir "$(mktemp -d)") >"$checks" 2>&1 &
+checking=$!
 "$PY" -m coverage erase
 # The lanes (tests/lanes.py) on every core: the unit lane first, by itself, where its guard
 # sees any process or counting allocator a unit test starts; then the other two, together so
 # that the workers stay busy; then the tests marked `alone`, one at a time. pytest's exit
 # code 5 is "no test selected" (an -m or -k that leaves a run empty).
-for lanes in "--lane unit" "--lane integration --lane slow"; do
-    # shellcheck disable=SC2086
-    "$PY" -m coverage run -m pytest $lanes -m "not alone" -n auto --durations=30 "$@" || [[ $? == 5 ]]
-done
+"$PY" -m coverage run -m pytest --lane unit -m "not alone" -n auto --durations=30 "$@" || [[ $? == 5 ]]
+wait "$checking" && status=0 || status=$?
+cat "$checks"
+[[ $status == 0 ]]
+"$PY" -m coverage run -m pytest --lane integration --lane slow -m "not alone" -n auto \
+    --durations=30 "$@" || [[ $? == 5 ]]
 "$PY" -m coverage run -m pytest -m alone "$@" || [[ $? == 5 ]]
 "$PY" -m coverage combine --quiet
 "$PY" -m coverage report

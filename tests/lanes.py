@@ -122,6 +122,9 @@ def slow_tests_unmeasured(request: pytest.FixtureRequest) -> Iterator[None]:
             yield
     finally:
         if measuring is not None:
+            # As coverage.py's own start in a subprocess: no check of the modules imported
+            # already, which fails on torch's operator namespaces in sys.modules.
+            measuring._warn_preimported_source = False
             measuring.start()
 
 

@@ -23,11 +23,7 @@ checking=$!
 wait "$checking" && status=0 || status=$?
 cat "$checks"
 [[ $status == 0 ]]
-# One worker more than cores: these lanes' tests also wait (on sleeps, sockets and the
-# processes they start), and the extra worker fills that time (12.5 minutes here against 13.3
-# with one worker a core).
-workers=$(($(getconf _NPROCESSORS_ONLN) + 1))
-"$PY" -m coverage run -m pytest --lane integration --lane slow -m "not alone" -n "$workers" \
+"$PY" -m coverage run -m pytest --lane integration --lane slow -m "not alone" -n auto \
     --durations=30 "$@" || [[ $? == 5 ]]
 "$PY" -m coverage run -m pytest -m alone "$@" || [[ $? == 5 ]]
 "$PY" -m coverage combine --quiet

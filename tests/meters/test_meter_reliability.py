@@ -8,6 +8,7 @@ fallback), as in ``test_cpu_meter.py``; ``"tensor"`` is a plain :class:`TensorMe
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import signal
@@ -338,17 +339,23 @@ def test_a_window_dropped_in_another_thread_leaves_the_owners_stack_as_it_was(mo
     assert counted == [0 if type(mode_meter) is TensorMeter else MiB]
 
 
-def test_a_sampled_meter_stops_sampling_when_its_window_is_dropped():
-    class Still(SampledMeter):
-        device = "still"
+class Still(SampledMeter):
+    device = "still"
 
-        def used(self) -> int:
-            return 1024
+    def used(self) -> int:
+        return 1024
 
+
+@pytest.mark.parametrize("while_sampling", [False, True])
+def test_a_sampled_meter_stops_sampling_when_its_window_is_dropped(while_sampling):
+    """Also where the window dies while the meter's lock is held, as the sampling thread
+    holds it at each sample: its release waits for the meter's next step, which the
+    sampling thread takes (it sampled on for good, once in a loaded run)."""
     m = Still()
     w = m.window()
     (sampler,) = [t for t in threading.enumerate() if t.name == "torchmem-still"]
-    with pytest.warns(ResourceWarning, match="was never closed"):
+    held = m._lock if while_sampling else contextlib.nullcontext()
+    with pytest.warns(ResourceWarning, match="was never closed"), held:
         del w
         gc.collect()
     sampler.join(timeout=JOIN_LIMIT_S)

@@ -385,6 +385,9 @@ class SampledMeter(Meter):
             self.samples += 1
             if value > self._peak:
                 self._peak = value
+            # A window dropped open while this thread held the lock is released here: no
+            # other step of the meter may come, and this thread would sample on for good.
+            self._collect()
 
     def _run(self, stop: threading.Event) -> None:
         while not stop.wait(self.interval):

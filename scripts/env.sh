@@ -5,7 +5,8 @@
 # - Keep a PyTorch that is already there if torchmem supports it; install torch 2.13.0 only
 #   where there is none. A torch older than torchmem supports stops the script: it is the
 #   user's, and replacing it is their call.
-# Sets PY to that environment's python and says what it did.
+# Sets PY to that environment's python and says what it did; install_dev installs torchmem
+# with its development tools there.
 
 TORCH_FLOOR="2.10"      # as in pyproject.toml's `torch>=2.10`
 TORCH_DEFAULT="2.13.0"  # what a fresh environment gets
@@ -47,3 +48,10 @@ else
     echo "Upgrade it, or deactivate the environment to let the script use .venv." >&2
     exit 1
 fi
+
+# torchmem with its development tools. uv installs their hundred-odd packages in seconds,
+# where pip takes over a minute; PyTorch is already here (above), and uv keeps it.
+install_dev() {
+    "$PY" -m pip install --quiet uv
+    "$PY" -m uv pip install --quiet --python "$PY" -e ".[dev]"
+}

@@ -13,7 +13,7 @@ if [[ "${1:-}" == "--offline" ]]; then
     "$PY" -m pip install --quiet --no-deps --no-build-isolation --no-index -e .
 else
     source scripts/env.sh
-    "$PY" -m pip install --quiet -e ".[dev]"
+    install_dev
 fi
 "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 'gpu_check: no CUDA GPU here')"
 "$PY" -c "import torch; print('gpu_check:', torch.cuda.get_device_name(), 'torch', torch.__version__)"

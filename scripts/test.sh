@@ -6,7 +6,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/env.sh
-"$PY" -m pip install --quiet -e ".[dev]"
+# Python's bytecode caches (the gitignored __pycache__ folders) are written even where
+# PYTHONDONTWRITEBYTECODE is set: without them every one of the hundreds of processes the
+# tests start compiles torchmem anew, and every pytest process rewrites every test module.
+unset PYTHONDONTWRITEBYTECODE
+install_dev
 "$PY" -m ruff check src tests benchmarks
 "$PY" -m ruff format --check src tests benchmarks
 # The type check and the manual's build run beside the unit lane (they use one core, for

@@ -12,7 +12,15 @@ import weakref
 import pytest
 import torch
 
-from torchmem._objects import holders, instances_of, of_classes, of_types, subclasses, tracked
+from torchmem._objects import (
+    class_name,
+    holders,
+    instances_of,
+    of_classes,
+    of_types,
+    subclasses,
+    tracked,
+)
 from tuple_builder import building_tuples_beside
 
 
@@ -155,3 +163,21 @@ def test_the_builder_fails_beside_a_walk_that_holds_every_object() -> None:
         del everything
 
     assert building_tuples_beside(holding, 200) != []
+
+
+class Logged:
+    """A mixin of the user's own."""
+
+
+class LoggedLinear(Logged, torch.nn.Linear):
+    pass
+
+
+def test_a_modules_class_name_is_the_users_even_where_torch_distributed_subclassed_it() -> None:
+    from torch.distributed.fsdp import FSDPModule
+
+    sharded = torch.nn.Linear(2, 2)  # as fully_shard changes its class
+    sharded.__class__ = type("FSDPLinear", (FSDPModule, torch.nn.Linear), {})
+    assert class_name(sharded) == "Linear"
+    assert class_name(LoggedLinear(2, 2)) == "LoggedLinear"  # two bases, none torch's
+    assert class_name(torch.nn.Linear(2, 2)) == "Linear"

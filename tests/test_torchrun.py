@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from launchers import finished, free_port, torchrun
 from standins import MiB
 
 pytestmark = [
@@ -49,25 +50,6 @@ JOB = textwrap.dedent(
         os._exit(3)
     """
 )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def torchrun(*words: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
-    command = [sys.executable, "-m", "torch.distributed.run", *words]
-    environ = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    return subprocess.Popen(
-        command, cwd=cwd, env=environ, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE
-    )
-
-
-def finished(process: subprocess.Popen[str]) -> tuple[int, str, str]:
-    out, err = process.communicate(timeout=240)
-    return process.returncode, out, err
 
 
 def job(tmp_path: Path) -> Path:

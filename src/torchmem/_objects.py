@@ -151,3 +151,18 @@ def models_and_optimizers(
             optimizers.append(cast("torch.optim.Optimizer", obj))
     inner = {id(child) for m in modules for child in m.modules() if child is not m}
     return [m for m in modules if id(m) not in inner], optimizers
+
+
+def class_name(module: torch.nn.Module) -> str:
+    """The name of the class the user wrote of `module`: ``Linear`` for the ``FSDPLinear``
+    that ``fully_shard`` (or ``DDPLinear`` that ``replicate``) made of a ``Linear``, by
+    subclassing it beside a class of ``torch.distributed``'s."""
+    kind = type(module)
+    bases = kind.__bases__
+    if (
+        len(bases) == 2
+        and bases[0].__module__.startswith("torch.distributed.")
+        and kind.__name__.endswith(bases[1].__name__)
+    ):
+        return bases[1].__name__
+    return kind.__name__

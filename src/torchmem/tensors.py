@@ -23,7 +23,12 @@ from typing import Any, cast
 
 import torch
 
-from torchmem._compat import PlainTensorAccess, is_traceable_wrapper_subclass, storage_key
+from torchmem._compat import (
+    PlainTensorAccess,
+    inner_tensors,
+    is_traceable_wrapper_subclass,
+    storage_key,
+)
 from torchmem._objects import holders, instances_of
 from torchmem.meters.tensor import SPARSE_COMPONENTS
 from torchmem.records.tensors import TensorRecord
@@ -420,11 +425,8 @@ def _storages(tensor: torch.Tensor) -> Iterable[tuple[int, int]]:
             yield from _storages(getattr(tensor, name)())
         return
     if is_traceable_wrapper_subclass(tensor):
-        inner, _ = tensor.__tensor_flatten__()  # type: ignore[attr-defined]
-        for name in inner:
-            value = getattr(tensor, name)
-            if isinstance(value, torch.Tensor):
-                yield from _storages(value)
+        for inner in inner_tensors(tensor):
+            yield from _storages(inner)
         return
     try:
         storage = tensor.untyped_storage()

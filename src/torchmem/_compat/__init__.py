@@ -127,6 +127,15 @@ is_traceable_wrapper_subclass: Callable[[object], bool] = (
 """True for a tensor subclass made of inner tensors (a jagged nested tensor, a DTensor)."""
 
 
+def inner_tensors(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors a wrapper subclass keeps its bytes in, one level down (a DTensor's local
+    shard, a jagged nested tensor's values and offsets); none for any other tensor."""
+    if not is_traceable_wrapper_subclass(tensor):
+        return []
+    names, _ = tensor.__tensor_flatten__()  # type: ignore[attr-defined]
+    return [value for name in names if isinstance(value := getattr(tensor, name), torch.Tensor)]
+
+
 def op_callable(func: Any) -> Callable[..., Any]:
     """What runs operator `func` with one Python call less: an ``OpOverload``'s own
     ``_op``, else `func` itself."""

@@ -22,6 +22,8 @@ from torch.optim.optimizer import (
 )
 from torch.utils.checkpoint import checkpoint
 
+from torchmem._objects import class_name
+
 
 @dataclass(frozen=True)
 class Changes:
@@ -107,7 +109,7 @@ class _Calls:
         and by that name prefixed with the root's class's name (as where several
         outermost modules ran)."""
         self.roots.add(root)
-        kind = type(root).__name__
+        kind = class_name(root)
         for name, module in root.named_modules(remove_duplicate=False):
             prefixed = f"{kind}.{name}" if name else kind
             self.names[module] = self.names.get(module, frozenset()) | {name, prefixed}

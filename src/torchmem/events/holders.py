@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from torchmem._compat.autograd import Saved
-from torchmem._objects import tracked
+from torchmem._objects import class_name, tracked
 from torchmem.events.graphs import Walked, Walks, address, named
 from torchmem.records.run import HeldGraph
 
@@ -114,7 +114,7 @@ class _Walk:
 
     def _module(self, module: torch.nn.Module, name: str | None, depth: int) -> None:
         for sub, child in module.named_modules():
-            path = (f"{name}.{sub}" if sub else name) if name else sub or type(module).__name__
+            path = (f"{name}.{sub}" if sub else name) if name else sub or class_name(module)
             for attribute, kind in _HOOKS:
                 for hook in list(getattr(child, attribute, {}).values()):
                     for item in _inside(hook):

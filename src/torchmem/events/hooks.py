@@ -35,12 +35,13 @@ from torch.utils.hooks import RemovableHandle
 from torchmem._compat import (
     autograd,
     disable_dynamo,
+    inner_tensors,
     keep_dynamo_out,
     own_buffers,
     own_parameters,
     skip_dynamo_frames,
 )
-from torchmem._objects import models_and_optimizers
+from torchmem._objects import class_name, models_and_optimizers
 from torchmem.events import saved
 from torchmem.events.notes import NameTable, Notes, Tree
 from torchmem.events.phases import FORWARD, STEP, Phases
@@ -201,9 +202,11 @@ class Watcher:
     def mark(self, tensor: torch.Tensor, category: int, name: tuple[Any, ...] | None) -> None:
         try:
             ptr = self._address(tensor)
-        except Exception:  # no storage (sparse, wrapper subclasses): nothing to attribute
-            return
-        if not ptr:
+        except Exception:  # no storage of its own (sparse tensors, wrapper subclasses)
+            ptr = 0
+        if not ptr:  # a wrapper subclass's bytes (a DTensor's local shard) are its inner tensors'
+            for inner in inner_tensors(tensor):
+                self.mark(inner, category, name)
             return
         log = self._log
         if log is not None and tensor.is_cpu:
@@ -222,6 +225,16 @@ class Watcher:
         elif self.notes is not None:
             payload = self.names.intern(name, tensor) << 3 | category
             self.notes.mark(ptr, payload, str(tensor.device))
+
+    def _inner_places(self, tensors: Iterable[torch.Tensor | None]) -> tuple[int, ...]:
+        """Where the inner tensors of the wrapper subclasses among `tensors` (and of their
+        gradients) are."""
+        found: list[int] = []
+        for tensor in tensors:
+            for outer in (tensor, None if tensor is None else tensor.grad):
+                if outer is not None:
+                    found += [self._where(inner) for inner in inner_tensors(outer)]
+        return tuple(found)
 
     def _probe(self, kind: int, number: int, module: int, ref: int) -> None:
         if ref == 1:  # a root's backward pass (depth 0)
@@ -248,6 +261,8 @@ class Watcher:
             ) + tuple(self._where(b) for b in buffers.values() if b is not None)
         except RuntimeError:  # no storage to see: torch.func's tensors (functional_call)
             return
+        if 0 in where:  # a wrapper subclass (a DTensor) is where its inner tensors are
+            where += self._inner_places([*params.values(), *buffers.values()])
         if self._marked.get(id(module)) == where:
             return
         self._marked[id(module)] = where
@@ -276,6 +291,8 @@ class Watcher:
             where = tuple(self._where(value) for _, _, value in state)
         except RuntimeError:  # no storage to see: torch.func's tensors
             return
+        if 0 in where:
+            where += self._inner_places([value for _, _, value in state])
         if self._marked.get(id(optimizer)) == where:
             return
         self._marked[id(optimizer)] = where
@@ -295,7 +312,7 @@ class Watcher:
     def _forward_pre(self, module: torch.nn.Module, args: Any) -> None:
         key = id(module)
         if key not in self.modules:
-            self.modules[key] = type(module).__name__
+            self.modules[key] = class_name(module)
             self._known[key] = module
             self.calls[key] = 0
         self.calls[key] += 1

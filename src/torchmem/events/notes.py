@@ -11,6 +11,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from torchmem._objects import class_name
 from torchmem.events.tally import MARK
 
 NOTES = 1 << 18
@@ -60,7 +61,7 @@ class Tree(NamedTuple):
     @classmethod
     def of(cls, root: torch.nn.Module) -> Tree:
         return cls(
-            type(root).__name__,
+            class_name(root),
             [(id(m), name) for name, m in root.named_modules(remove_duplicate=False)],
             [(id(p), name) for name, p in root.named_parameters(remove_duplicate=False)],
         )

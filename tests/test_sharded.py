@@ -1,0 +1,132 @@
+"""Sharded training per rank: each rank's parameters, gradients and optimizer state are
+its local shards, to the byte. In this process on a fake process group (one rank of four,
+no communication), and under ``torchrun`` on real CPU ranks (gloo) with FSDP2, DDP and
+tensor-parallel steps (``tests/sharded_job.py``)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
+    parallelize_module,
+)
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+import torchmem
+from launchers import finished, torchrun
+
+pytestmark = pytest.mark.counting
+
+JOB = Path(__file__).with_name("sharded_job.py")
+OWNED = ("parameters", "gradients", "optimizer_state")
+
+
+@pytest.fixture
+def rank_of_four() -> Iterator[None]:
+    """This process as rank 1 of 4 on a fake process group: collectives do nothing."""
+    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=4)
+    yield
+    dist.destroy_process_group()
+
+
+def local_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the distinct storages of `tensors` (of a DTensor's local shard)."""
+    storages = {}
+    for tensor in tensors:
+        plain = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        storages[plain.untyped_storage().data_ptr()] = plain.untyped_storage().nbytes()
+    return sum(storages.values())
+
+
+def owned(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    params = list(model.parameters())
+    state = [v for values in optimizer.state.values() for v in values.values()]
+    return {
+        "parameters": local_bytes(params),
+        "gradients": local_bytes(p.grad for p in params if p.grad is not None),
+        "optimizer_state": local_bytes(v for v in state if isinstance(v, torch.Tensor)),
+    }
+
+
+def fsdp2() -> nn.Module:
+    model = nn.Sequential(*[nn.Linear(256, 256) for _ in range(3)])
+    for layer in model:
+        fully_shard(layer)
+    return fully_shard(model)
+
+
+def tensor_parallel() -> nn.Module:
+    model = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 256))
+    mesh = init_device_mesh("cpu", (4,))
+    return parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+
+
+@pytest.mark.usefixtures("rank_of_four")
+@pytest.mark.parametrize(
+    ("sharded", "parameters"),
+    [
+        (fsdp2, 3 * (64 * 256 + 64) * 4),  # a quarter of each weight and bias (rows)
+        # A quarter of the first layer's weight and bias (rows), of the second's weight
+        # (columns); its bias whole on every rank
+        (tensor_parallel, (256 * 256 + 256 + 256 * 256 + 256) * 4),
+    ],
+)
+def test_a_ranks_categories_are_its_local_shards(
+    sharded: Callable[[], nn.Module], parameters: int
+) -> None:
+    with torchmem.record() as rec:
+        model = sharded()
+        optimizer = torch.optim.AdamW(model.parameters())
+        model(torch.randn(8, 256)).sum().backward()
+        optimizer.step()
+    found = rec.report().devices["cpu"].categories_at_end
+    assert {name: found[name] for name in OWNED} == owned(model, optimizer)
+    assert found["parameters"] == parameters
+
+
+@pytest.mark.usefixtures("rank_of_four")
+def test_modules_fully_shard_wrapped_show_the_class_the_user_wrote() -> None:
+    with torchmem.record() as rec:
+        model = fsdp2()
+        model(torch.randn(8, 256)).sum().backward()
+    found = {(m.name, m.type) for m in rec.report().modules}
+    assert found == {("", "Sequential"), ("0", "Linear"), ("1", "Linear"), ("2", "Linear")}
+    assert type(model).__name__ == "FSDPSequential"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("ranks", "modes"),
+    [
+        (2, "fsdp2,ddp,tp"),
+        (4, "fsdp2-kept-bf16,ddp-bucket-view,tp"),
+    ],
+)
+def test_each_ranks_categories_at_the_end_are_its_local_shards(
+    tmp_path: Path, ranks: int, modes: str
+) -> None:
+    shutil.copy(JOB, tmp_path / "job.py")
+    words = ["--standalone", f"--nproc-per-node={ranks}", "-m", "torchmem", "run"]
+    process = torchrun(*words, "--json", "ranks.json", "job.py", cwd=tmp_path, env={"MODES": modes})
+    code, _, err = finished(process)
+    assert code == 0, err
+    report = json.loads((tmp_path / "ranks.json").read_text())
+    found = [
+        {name: rank["devices"]["cpu"]["categories_at_end"][name] for name in OWNED}
+        for rank in report["ranks"]
+    ]
+    truth = [json.loads((tmp_path / f"truth{r}.json").read_text()) for r in range(ranks)]
+    assert found == truth
+    assert all(t["parameters"] > 0 for t in truth)

@@ -143,6 +143,7 @@ def test_activations_are_the_tensors_autograd_saved() -> None:
         "gradients": 0,
         "optimizer_state": 0,
         "buffers": 0,
+        "communication": 0,
         "activations": 4 * MiB,
         "other": earlier + 12 * MiB,
     }
@@ -357,6 +358,18 @@ def test_the_json_holds_categories_over_time_phases_what_modules_added_and_sourc
         [4_194_304, 0, 0, 0, 0],
         [4_194_304, 4_194_304, 0, 0, 4_194_304],
     ]
+    six = json.loads(json.dumps(data))  # before communication: six categories a row
+    six["devices"]["cpu"]["timeline_categories"] = [[1, 2, 3, 4, 5, 6]]
+    (layers,) = RunRecord.from_json(six).devices["cpu"].timeline_categories or ()
+    assert dict(zip(CATEGORIES, layers, strict=True)) == {
+        "parameters": 1,
+        "gradients": 2,
+        "optimizer_state": 3,
+        "buffers": 4,
+        "communication": 0,
+        "activations": 5,
+        "other": 6,
+    }
     assert data["phases"] == [
         {"kind": "forward", "start_s": 0.125, "end_s": 0.25},
         {"kind": "backward", "start_s": 0.25, "end_s": 0.5},

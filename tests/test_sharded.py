@@ -97,6 +97,27 @@ def test_a_ranks_categories_are_its_local_shards(
 
 
 @pytest.mark.usefixtures("rank_of_four")
+def test_fsdp2s_all_gathered_parameters_count_as_communication_while_they_live() -> None:
+    model = fsdp2()
+    x = torch.randn(8, 256)
+    with torchmem.record() as rec:
+        model(x).sum().backward()
+    cpu = rec.report().devices["cpu"]
+    assert cpu.categories_at_end is not None and cpu.timeline_categories is not None
+    gathered = [
+        (held.name, held.bytes, held.shape)
+        for held in cpu.largest_at_peak
+        if held.category == "communication"
+    ]
+    # The peak is in a layer's backward: its weight whole again (256 x 256 float32), and
+    # the all-gather output FSDP keeps until its next all-gather (weight and bias, flat)
+    assert ("1.weight (all-gathered)", 256 * 256 * 4, (256, 256)) in gathered
+    assert ("FSDP2 collectives of 1", 257 * 256 * 4, (257 * 256,)) in gathered
+    assert cpu.categories_at_end["communication"] == 0  # resharded, the buffers freed
+    assert cpu.categories_at_end["parameters"] == 3 * (64 * 256 + 64) * 4
+
+
+@pytest.mark.usefixtures("rank_of_four")
 def test_modules_fully_shard_wrapped_show_the_class_the_user_wrote() -> None:
     with torchmem.record() as rec:
         model = fsdp2()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import itertools
+import types
 from collections.abc import Callable, Collection, Iterable, Iterator
 from typing import cast
 
@@ -166,3 +167,18 @@ def class_name(module: torch.nn.Module) -> str:
     ):
         return bases[1].__name__
     return kind.__name__
+
+
+def within(values: Iterable[object]) -> Iterator[object]:
+    """`values`, and one level into each: the items of lists, tuples and dictionaries, the
+    attributes of other objects (not of Python modules, classes or functions)."""
+    for value in values:
+        yield value
+        if isinstance(value, (list, tuple)):
+            yield from value
+        elif isinstance(value, dict):
+            yield from value.values()
+        elif not isinstance(value, (types.ModuleType, type, torch.nn.Module, torch.Tensor)):
+            found = getattr(value, "__dict__", None)
+            if isinstance(found, dict):
+                yield from found.values()

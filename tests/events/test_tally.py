@@ -266,10 +266,10 @@ def test_an_allocation_counts_as_its_category_from_its_allocation_to_its_free() 
         timeline, layers = tally.line.read(4000, 10)
         assert [b for _, b in timeline] == [130, 180, 180, 130]
         assert layers == (
-            (30, 0, 0, 0, 0, 100),  # its first moment at 130 B: before the gradient was made
-            (30, 100, 0, 0, 0, 50),
-            (30, 100, 0, 0, 0, 50),  # the use carried from the interval before
-            (30, 100, 0, 0, 0, 0),
+            (30, 0, 0, 0, 0, 0, 100),  # its first moment at 130 B: before the gradient was made
+            (30, 100, 0, 0, 0, 0, 50),
+            (30, 100, 0, 0, 0, 0, 50),  # the use carried from the interval before
+            (30, 100, 0, 0, 0, 0, 0),
         )
 
 

@@ -20,10 +20,10 @@ RUN = DeviceRun(
     end_bytes=8 * M,
     timeline=((0.25, 8 * M), (0.5, 20 * M + 5), (0.75, 36 * M + 5), (1.0, 8 * M)),
     timeline_categories=(
-        (7 * M, 0, 0, M, 0, 0),
-        (7 * M, 0, 0, M, 12 * M, 5),
-        (7 * M, 8 * M, 16 * M, M, 4 * M, 5),
-        (7 * M, 0, 0, M, 0, 0),
+        (7 * M, 0, 0, M, 0, 0, 0),
+        (7 * M, 0, 0, M, 0, 12 * M, 5),
+        (7 * M, 8 * M, 16 * M, M, 2 * M, 2 * M, 5),
+        (7 * M, 0, 0, M, 0, 0, 0),
     ),
 )
 PHASES = (
@@ -159,7 +159,8 @@ def test_hover_gives_each_intervals_values_exactly() -> None:
         "gradients: 8,388,608 bytes (8.00M)\n"
         "optimizer_state: 16,777,216 bytes (16.00M)\n"
         "buffers: 1,048,576 bytes (1.00M)\n"
-        "activations: 4,194,304 bytes (4.00M)\n"
+        "communication: 2,097,152 bytes (2.00M)\n"
+        "activations: 2,097,152 bytes (2.00M)\n"
         "other: 5 bytes (5.00B)"
     )
 

@@ -238,6 +238,10 @@ class Names:
             return self.params.get(name[1], "Parameter") + ".grad"
         if kind == "state":
             return f"{name[1]}.{self.params.get(name[2], 'Parameter')}.{name[3]}"
+        if kind == "gathered":
+            return _join(self.modules.get(name[1], ""), name[2]) + " (all-gathered)"
+        if kind == "collectives":
+            return f"FSDP2 collectives of {self.modules.get(name[1]) or 'the model'}"
         if kind == "saved":
             return f"saved by {self.modules.get(name[1]) or 'the model'}"
         return None

@@ -18,7 +18,6 @@ for the others. Nothing the watcher keeps grows with the run's length.
 from __future__ import annotations
 
 import threading
-import types
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -35,13 +34,15 @@ from torch.utils.hooks import RemovableHandle
 from torchmem._compat import (
     autograd,
     disable_dynamo,
+    fsdp,
     inner_tensors,
+    is_traceable_wrapper_subclass,
     keep_dynamo_out,
     own_buffers,
     own_parameters,
     skip_dynamo_frames,
 )
-from torchmem._objects import class_name, models_and_optimizers
+from torchmem._objects import class_name, models_and_optimizers, within
 from torchmem.events import saved
 from torchmem.events.notes import NameTable, Notes, Tree
 from torchmem.events.phases import FORWARD, STEP, Phases
@@ -51,7 +52,7 @@ from torchmem.events.tally import CLOSE, HIT, MARK, OPEN, STEP as STEP_ROW
 if TYPE_CHECKING:
     from torchmem.meters.native import CpuAllocatorLibrary
 
-PARAMETERS, GRADIENTS, OPTIMIZER_STATE, BUFFERS, ACTIVATIONS, OTHER = range(6)
+PARAMETERS, GRADIENTS, OPTIMIZER_STATE, BUFFERS, COMMUNICATION, ACTIVATIONS, OTHER = range(7)
 """Category indices, in the order of :data:`~torchmem.records.run.CATEGORIES`."""
 PENDING = 8
 """Backward passes awaited per module at most (more forward calls than backward passes,
@@ -112,6 +113,11 @@ class Watcher:
         """id() of a parameter -> the backward passes waiting for its gradient."""
         self._marked: dict[int, tuple[Any, ...]] = {}
         """id() of a module or optimizer -> where its tensors were when last marked."""
+        self._fsdp: dict[int, Any] = {}
+        """id() of a module ``fully_shard`` made -> its parameter group."""
+        self._gathered: set[int] = set()
+        """id() of the modules whose parameters FSDP2 shards: a plain tensor among them is
+        an unsharded parameter, all-gathered for a forward or backward pass."""
         self._hooks = [
             _eager_only(h) for h in (self._forward_pre, self._forward, self._step_pre, self._step)
         ]
@@ -181,7 +187,7 @@ class Watcher:
         for handle in self._param_hooks.values():
             handle.remove()
         self._handles, self._pending, self._param_hooks, self._waiting = [], {}, {}, {}
-        roots, optimizers = models_and_optimizers(_within(held))
+        roots, optimizers = models_and_optimizers(within(held))
         for root in roots:
             self._found_root(root)
             for module in root.modules():
@@ -236,7 +242,17 @@ class Watcher:
                     found += [self._where(inner) for inner in inner_tensors(outer)]
         return tuple(found)
 
+    def _mark_collectives(self, key: int) -> None:
+        """Mark the buffers of the collectives of the FSDP2 module of id `key`."""
+        for buffer, owner in fsdp.buffers(self._fsdp[key]):
+            name = ("collectives", key) if owner is None else ("gathered", id(owner[0]), owner[1])
+            self.mark(buffer, COMMUNICATION, name)
+
     def _probe(self, kind: int, number: int, module: int, ref: int) -> None:
+        if (
+            kind != OPEN and module in self._fsdp
+        ):  # a forward's end, a backward's: before FSDP reshards
+            self._mark_collectives(module)
         if ref == 1:  # a root's backward pass (depth 0)
             if kind == OPEN:
                 self.phases.opened(number)
@@ -266,9 +282,13 @@ class Watcher:
         if self._marked.get(id(module)) == where:
             return
         self._marked[id(module)] = where
+        gathered = id(module) in self._gathered
         for attribute, param in params.items():
             if param is not None:
-                self.mark(param, PARAMETERS, ("param", id(module), attribute))
+                if gathered and not is_traceable_wrapper_subclass(param):
+                    self.mark(param, COMMUNICATION, ("gathered", id(module), attribute))
+                else:
+                    self.mark(param, PARAMETERS, ("param", id(module), attribute))
                 if param.grad is not None:
                     self.mark(param.grad, GRADIENTS, ("grad", id(module), attribute))
         for attribute, buffer in buffers.items():
@@ -315,6 +335,10 @@ class Watcher:
             self.modules[key] = class_name(module)
             self._known[key] = module
             self.calls[key] = 0
+            group = fsdp.param_group(module)
+            if group is not None:
+                self._fsdp[key] = group
+                self._gathered.update(map(id, fsdp.managed_modules(group)))
         self.calls[key] += 1
         stack = self._stack()
         if not stack and key not in self._roots:
@@ -376,6 +400,8 @@ class Watcher:
             self._close(pending.pop(0))
 
     def _step_pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        for key in self._fsdp:  # the reduce-scatter inputs FSDP keeps
+            self._mark_collectives(key)
         self.optimizers.setdefault(id(optimizer), optimizer)
         self._mark_optimizer(optimizer, grads=True)
         self.phases.begin(STEP, id(optimizer))  # the step's own work: after our marks
@@ -460,21 +486,6 @@ def _eager_only(hook: Callable[..., Any]) -> Callable[..., Any]:
 
 def _data_ptr(tensor: torch.Tensor) -> int:
     return tensor.untyped_storage().data_ptr()
-
-
-def _within(values: Iterable[object]) -> Iterator[object]:
-    """`values`, and one level into each: the items of lists, tuples and dictionaries, the
-    attributes of other objects (not of Python modules, classes or functions)."""
-    for value in values:
-        yield value
-        if isinstance(value, (list, tuple)):
-            yield from value
-        elif isinstance(value, dict):
-            yield from value.values()
-        elif not isinstance(value, (types.ModuleType, type, torch.nn.Module, torch.Tensor)):
-            found = getattr(value, "__dict__", None)
-            if isinstance(found, dict):
-                yield from found.values()
 
 
 def _tensors(value: Any) -> Iterator[torch.Tensor]:

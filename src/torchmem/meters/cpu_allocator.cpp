@@ -196,7 +196,7 @@ constexpr int64_t kNoFrame = -3;   // no Python frame on the stack
 constexpr int64_t kAlloc = 0;
 constexpr int64_t kFree = 1;
 constexpr int64_t kAdopt = 2;
-constexpr int64_t kOtherCategory = 5;  // torchmem.records.run.CATEGORIES: "other"
+constexpr int64_t kOtherCategory = 6;  // torchmem.records.run.CATEGORIES: "other"
 constexpr size_t kKeptCapacity = size_t{1} << 18;  // rows the drained log may keep room for
 
 // A storage alive while recording: its allocation's sequence number, and the lowest

@@ -26,11 +26,14 @@ CATEGORIES = (
     "gradients",
     "optimizer_state",
     "buffers",
+    "communication",
     "activations",
     "other",
 )
 """What a byte can be, in the order reports list them. A storage that is several things
-(a weight autograd saved for backward) counts as the first of them."""
+(a weight autograd saved for backward) counts as the first of them. ``communication``:
+the buffers of sharded training's collectives (FSDP2's all-gathered unsharded parameters,
+its reduce-scatter and all-reduce inputs)."""
 
 
 @dataclass(frozen=True)
@@ -327,7 +330,7 @@ def _device_from_json(name: str, entry: dict[str, Any], timeline: Any) -> Device
         ),
         others_at_peak=(others["count"], others["bytes"]),
         reserved_peak_bytes=entry["reserved_peak_bytes"],
-        timeline_categories=None if layers is None else tuple(tuple(row) for row in layers),
+        timeline_categories=None if layers is None else tuple(map(_seven, layers)),
         exact=entry["exact"],
         steps=tuple(_step(step) for step in entry.get("steps", ())),  # older reports: none
         growth=None if entry.get("growth") is None else Growth.from_json(entry["growth"]),
@@ -346,3 +349,9 @@ def _step(data: dict[str, Any]) -> Step:
         data["count"],
         data.get("ram_bytes"),  # older reports: none
     )
+
+
+def _seven(row: list[int]) -> tuple[int, ...]:
+    """A row of :attr:`DeviceRun.timeline_categories`; older reports' rows have no
+    ``communication`` column (their sixth is ``other``)."""
+    return (*row[:4], 0, *row[4:]) if len(row) == len(CATEGORIES) - 1 else tuple(row)

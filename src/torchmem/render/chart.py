@@ -28,6 +28,7 @@ COLOURS = {
     "gradients": "#f28e2b",
     "optimizer_state": "#59a14f",
     "buffers": "#b07aa1",
+    "communication": "#76b7b2",
     "activations": "#e15759",
     "other": "#a0a0a0",
 }

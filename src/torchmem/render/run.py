@@ -94,7 +94,8 @@ def _categories(run: DeviceRun) -> Section | None:
     rows = [
         (name, size(at_peak.get(name))) + (() if at_end is None else (size(at_end.get(name)),))
         for name in dict.fromkeys(names)
-    ]
+        if name != "communication" or at_peak.get(name) or (at_end or {}).get(name)
+    ]  # communication only where there was some: sharded training's
     header = ("category", "at the peak") + (() if at_end is None else ("at the end",))
     return Section(f"What the memory on {run.device} was:", rows, header=header)
 

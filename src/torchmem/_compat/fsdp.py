@@ -1,0 +1,72 @@
+"""FSDP2's private parts a recording needs to tell its communication buffers apart from
+the parameters and gradients they hold for a while: a ``fully_shard`` module's parameter
+group, the modules whose parameters it manages, and the buffers its collectives use. Every
+look-up is guarded: where a release moved one, those buffers count as whatever else they
+are seen as, and nothing fails."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch
+
+from torchmem._compat import is_traceable_wrapper_subclass
+
+
+def param_group(module: torch.nn.Module) -> Any | None:
+    """The parameter group of a module that ``fully_shard`` made; None for any other module
+    (and without importing FSDP where the program did not)."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    kind = getattr(fsdp, "FSDPModule", None)
+    if kind is None or not isinstance(module, kind):
+        return None
+    try:
+        return module._get_fsdp_state()._fsdp_param_group
+    except (AttributeError, AssertionError):
+        return None
+
+
+def managed_modules(group: Any) -> list[torch.nn.Module]:
+    """The modules whose parameters `group` shards (each parameter's module, and the other
+    modules that share it)."""
+    found: list[torch.nn.Module] = []
+    for param in getattr(group, "fsdp_params", ()):
+        info = getattr(param, "_module_info", None)
+        if info is not None:
+            found += [info.module, *getattr(info, "shared_modules", ())]
+    return found
+
+
+def buffers(group: Any) -> list[tuple[torch.Tensor, tuple[torch.nn.Module, str] | None]]:
+    """The buffers of `group`'s collectives that hold memory now, each with the module and
+    attribute of the parameter it is (None for one the group's parameters share): the
+    unsharded parameters and their all-gather outputs, the all-gather output not yet
+    copied out, and the reduce-scatter and all-reduce inputs FSDP keeps until the next
+    collective."""
+    found: list[tuple[Any, tuple[torch.nn.Module, str] | None]] = []
+    for param in getattr(group, "fsdp_params", ()):
+        info = getattr(param, "_module_info", None)
+        owner = None if info is None else (info.module, info.param_name)
+        for tensor in (
+            getattr(param, "_unsharded_param", None),
+            *getattr(param, "all_gather_outputs", ()),
+            *getattr(param, "_unsharded_inner_tensors", ()),
+        ):
+            found.append((tensor, owner))
+    context = getattr(group, "comm_ctx", None)
+    states = getattr(context, "reduce_scatter_states", None) or ()
+    shared = [getattr(state, "reduce_scatter_input", None) for state in states]
+    gathered = getattr(context, "all_gather_state", None)
+    pending = getattr(group, "_all_gather_result", None)
+    for result in (getattr(gathered, "all_gather_result", None), pending):
+        shared.append(getattr(result, "all_gather_output", None))
+    shared.append(getattr(getattr(group, "_all_reduce_state", None), "all_reduce_input", None))
+    found += [(tensor, None) for tensor in shared]
+    return [
+        (tensor, owner)
+        for tensor, owner in found
+        if isinstance(tensor, torch.Tensor)
+        and not is_traceable_wrapper_subclass(tensor)
+        and tensor.untyped_storage().nbytes()
+    ]

@@ -5,8 +5,10 @@ tensor-parallel steps (``tests/sharded_job.py``)."""
 
 from __future__ import annotations
 
+import gc
 import json
 import shutil
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
@@ -115,6 +117,10 @@ def test_fsdp2s_all_gathered_parameters_count_as_communication_while_they_live()
     assert ("FSDP2 collectives of 1", 257 * 256 * 4, (257 * 256,)) in gathered
     assert cpu.categories_at_end["communication"] == 0  # resharded, the buffers freed
     assert cpu.categories_at_end["parameters"] == 3 * (64 * 256 + 64) * 4
+    dropped = [weakref.ref(layer) for layer in model]  # each with its parameter group
+    del model
+    gc.collect()  # FSDP's own reference cycles
+    assert [layer() for layer in dropped] == [None, None, None]  # the recording holds none
 
 
 @pytest.mark.usefixtures("rank_of_four")

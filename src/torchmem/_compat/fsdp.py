@@ -43,7 +43,7 @@ def buffers(group: Any) -> list[tuple[torch.Tensor, tuple[torch.nn.Module, str] 
     attribute of the parameter it is (None for one the group's parameters share): the
     unsharded parameters and their all-gather outputs, the all-gather output not yet
     copied out, and the reduce-scatter and all-reduce inputs FSDP keeps until the next
-    collective."""
+    collective. None (a group that died) has none."""
     found: list[tuple[Any, tuple[torch.nn.Module, str] | None]] = []
     for param in getattr(group, "fsdp_params", ()):
         info = getattr(param, "_module_info", None)

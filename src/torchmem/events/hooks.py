@@ -113,7 +113,7 @@ class Watcher:
         """id() of a parameter -> the backward passes waiting for its gradient."""
         self._marked: dict[int, tuple[Any, ...]] = {}
         """id() of a module or optimizer -> where its tensors were when last marked."""
-        self._fsdp: dict[int, Any] = {}
+        self._fsdp: dict[int, weakref.ref[Any]] = {}
         """id() of a module ``fully_shard`` made -> its parameter group."""
         self._gathered: set[int] = set()
         """id() of the modules whose parameters FSDP2 shards: a plain tensor among them is
@@ -244,7 +244,7 @@ class Watcher:
 
     def _mark_collectives(self, key: int) -> None:
         """Mark the buffers of the collectives of the FSDP2 module of id `key`."""
-        for buffer, owner in fsdp.buffers(self._fsdp[key]):
+        for buffer, owner in fsdp.buffers(self._fsdp[key]()):
             name = ("collectives", key) if owner is None else ("gathered", id(owner[0]), owner[1])
             self.mark(buffer, COMMUNICATION, name)
 
@@ -337,7 +337,7 @@ class Watcher:
             self.calls[key] = 0
             group = fsdp.param_group(module)
             if group is not None:
-                self._fsdp[key] = group
+                self._fsdp[key] = weakref.ref(group)
                 self._gathered.update(map(id, fsdp.managed_modules(group)))
         self.calls[key] += 1
         stack = self._stack()

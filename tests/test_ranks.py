@@ -123,6 +123,9 @@ def test_ranks_compare_their_main_devices_of_the_common_kind() -> None:
     assert imbalance(runs[:1]) is None
     nothing = imbalance([RankRun(0, "a", record(0)), RankRun(1, "a", record(5))])
     assert nothing is not None and nothing.ratio == float("inf")
+    tied = imbalance([RankRun(r, "a", record(8 * MiB)) for r in range(3)])
+    assert tied is not None  # two ranks, not rank 0 against itself
+    assert (tied.highest_rank, tied.lowest_rank, tied.ratio) == (0, 1, 1.0)
 
 
 def test_the_table_says_each_ranks_peak_and_who_raised() -> None:

@@ -166,7 +166,7 @@ def imbalance(runs: Sequence[RankRun]) -> Imbalance | None:
     if len(peaks) < 2:
         return None
     high = max(peaks, key=lambda p: (p[1].peak_bytes, -p[0]))
-    low = min(peaks, key=lambda p: (p[1].peak_bytes, p[0]))
+    low = min((p for p in peaks if p is not high), key=lambda p: (p[1].peak_bytes, p[0]))
     found = Imbalance(kind, high[0], high[1].peak_bytes, low[0], low[1].peak_bytes, None)
     categories = [(rank, d.categories_at_peak) for rank, d in peaks if d.categories_at_peak]
     if len(categories) < 2:

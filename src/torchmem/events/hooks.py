@@ -277,8 +277,8 @@ class Watcher:
             ) + tuple(self._where(b) for b in buffers.values() if b is not None)
         except RuntimeError:  # no storage to see: torch.func's tensors (functional_call)
             return
-        if (0, -1) in where or (0, 0) in where or 0 in where:  # a DTensor's address is 0:
-            where += self._inner_places([*params.values(), *buffers.values()])  # its shard's
+        if (0, -1) in where or (0, 0) in where or 0 in where:  # a DTensor's address: 0
+            where += self._inner_places([*params.values(), *buffers.values()])
         if self._marked.get(id(module)) == where:
             return
         self._marked[id(module)] = where

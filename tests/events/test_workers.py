@@ -117,8 +117,12 @@ def test_a_recording_of_ram_reads_each_workers_peak_rss() -> None:
     assert total == pytest.approx(float(data.tensors[0].sum()), rel=1e-5)
     workers = rec.report().workers
     assert workers is not None and workers.interval == 0.05
-    assert [w.pid for w in workers.processes] == pids
-    read = [w.peak_rss_bytes for w in workers.processes]
+    # In the order they were first seen: a worker is found once it has named itself, and
+    # worker 1 can do that before worker 0.
+    order = [(w.first_seen, w.pid) for w in workers.processes]
+    assert order == sorted(order) and sorted(pid for _, pid in order) == sorted(pids)
+    peaks = {w.pid: w.peak_rss_bytes for w in workers.processes}
+    read = [peaks[pid] for pid in pids]
     # VmHWM is max(high-water mark, RSS now), and Linux counts RSS in per-CPU counters that it
     # reads without summing them: a reading can be a few pages above a later one (8,192 B seen)
     slack = 32 * (os.cpu_count() or 1) * resource.getpagesize()

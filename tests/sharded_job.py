@@ -2,7 +2,8 @@
 ``tests/test_sharded.py`` under ``torchrun`` on CPU ranks (gloo). ``MODES`` (a comma-separated
 list of :data:`STEPS`' keys) chooses which; every model and optimizer stays alive to the
 end, where each rank writes what its local shards of parameters, gradients and optimizer
-state hold (``truth<rank>.json``: bytes of each distinct storage, summed)."""
+state hold (``truth<rank>.json``: bytes of each distinct storage, summed), and the peak of
+each mode's step above its start, as a recording measured it (``peaks``)."""
 
 import json
 import os
@@ -66,27 +67,41 @@ def nbytes(tensors: Iterable[torch.Tensor]) -> int:
     return sum(storages.values())
 
 
-dist.init_process_group("gloo")
-torch.manual_seed(0)
-kept = []
-for mode in os.environ["MODES"].split(","):
-    model = STEPS[mode]()
-    optimizer = torch.optim.AdamW(model.parameters())
-    model(torch.randn(8, WIDTH)).sum().backward()
-    optimizer.step()
-    kept.append((model, optimizer))
-params = [p for model, _ in kept for p in model.parameters()]
-truth = {
-    "parameters": nbytes(params),
-    "gradients": nbytes(p.grad for p in params if p.grad is not None),
-    "optimizer_state": nbytes(
-        value
-        for _, optimizer in kept
-        for state in optimizer.state.values()
-        for value in state.values()
-        if isinstance(value, torch.Tensor)
-    ),
-}
-with open(f"truth{dist.get_rank()}.json", "w") as file:
-    json.dump(truth, file)
-dist.destroy_process_group()
+def train(modes: str) -> list[tuple[nn.Module, torch.optim.Optimizer]]:
+    """A step of each of `modes`; every model and optimizer kept."""
+    kept = []
+    for mode in modes.split(","):
+        model = STEPS[mode]()
+        optimizer = torch.optim.AdamW(model.parameters())
+        model(torch.randn(8, WIDTH)).sum().backward()
+        optimizer.step()
+        kept.append((model, optimizer))
+    return kept
+
+
+if __name__ == "__main__":
+    import torchmem
+
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    kept, peaks = [], {}
+    for mode in os.environ["MODES"].split(","):
+        with torchmem.record("cpu") as recording:
+            kept += train(mode)
+        cpu = recording.report().devices["cpu"]
+        peaks[mode] = cpu.peak_bytes - cpu.start_bytes
+    params = [p for model, _ in kept for p in model.parameters()]
+    truth = {
+        "parameters": nbytes(params),
+        "gradients": nbytes(p.grad for p in params if p.grad is not None),
+        "optimizer_state": nbytes(
+            value
+            for _, optimizer in kept
+            for state in optimizer.state.values()
+            for value in state.values()
+            if isinstance(value, torch.Tensor)
+        ),
+    }
+    with open(f"truth{dist.get_rank()}.json", "w") as file:
+        json.dump({**truth, "peaks": peaks}, file)
+    dist.destroy_process_group()

@@ -133,6 +133,66 @@ def test_modules_fully_shard_wrapped_show_the_class_the_user_wrote() -> None:
     assert type(model).__name__ == "FSDPSequential"
 
 
+def fsdp2_step(width: int) -> None:
+    """An FSDP2 step on this process's ranks; rank r's batch is 8 x (r + 1) rows."""
+    model = nn.Sequential(*[nn.Linear(width, width) for _ in range(4)])
+    for layer in model:
+        fully_shard(layer)
+    fully_shard(model)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(8 * (1 + dist.get_rank()), width)).sum().backward()
+    optimizer.step()
+
+
+def test_an_estimate_of_each_rank_is_that_ranks_recorded_peak() -> None:
+    estimate = torchmem.estimate(fsdp2_step, 256, device="cpu", world_size=4)
+    measured = []
+    for rank in range(4):
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=4)
+        gc.collect()  # the rank before's models (FSDP's reference cycles)
+        try:
+            with torchmem.record() as rec:
+                fsdp2_step(256)
+        finally:
+            dist.destroy_process_group()
+        cpu = rec.report().devices["cpu"]
+        measured.append(cpu.peak_bytes - cpu.start_bytes)
+    assert [each.peak_bytes for each in estimate.ranks] == measured
+    assert measured == sorted(set(measured))  # each rank's batch longer
+    parameters = 4 * (64 * 256 + 64) * 4  # a quarter of each weight and bias (rows)
+    assert [each.categories["parameters"] for each in estimate.ranks] == [parameters] * 4
+    assert (estimate.rank, estimate.world_size, estimate.peak_bytes) == (3, 4, measured[3])
+    assert not dist.is_initialized()
+    text = str(estimate).splitlines()
+    assert text[0].startswith("torchmem estimate: fsdp2_step on cpu, rank 3 of 4 (")
+    at = text.index("Each rank at its peak (*: the highest, shown below):")
+    header, *rows = text[at + 1 : at + 6]
+    names = ["parameters", "gradients", "communication", "activations", "other"]
+    assert header.split() == ["rank", "peak", *names]  # no optimizer state at the peaks
+    assert [row.split()[0] for row in rows] == ["0", "1", "2", "3"]
+    assert [row.split()[1] == "*" for row in rows] == [False, False, False, True]
+    ranks = estimate.to_json()["ranks"]
+    assert [(r["rank"], r["peak_bytes"]) for r in ranks] == list(enumerate(measured))
+
+
+def test_an_estimate_of_ranks_says_what_it_cannot_do() -> None:
+    with pytest.raises(ValueError, match=r"^world_size must be a whole number of ranks.*: 0$"):
+        torchmem.estimate(fsdp2_step, 128, device="cpu", world_size=0)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        with pytest.raises(torchmem.EstimateError, match="a process group is initialised"):
+            torchmem.estimate(fsdp2_step, 128, device="cpu", world_size=2)
+    finally:
+        dist.destroy_process_group()
+
+    def ddp_step(width: int) -> None:
+        nn.parallel.DistributedDataParallel(nn.Linear(width, width))
+
+    with pytest.raises(torchmem.EstimateError, match=r"^DistributedDataParallel cannot run"):
+        torchmem.estimate(ddp_step, 250, device="cpu", world_size=2)
+    assert not dist.is_initialized()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("ranks", "modes"),

@@ -136,6 +136,16 @@ def inner_tensors(tensor: torch.Tensor) -> list[torch.Tensor]:
     return [value for name in names if isinstance(value := getattr(tensor, name), torch.Tensor)]
 
 
+@functools.cache
+def wraps_tensors(types: tuple[type, ...]) -> bool:
+    """Whether an operator's tensor subclasses (the `types` a ``__torch_dispatch__`` is
+    given) include one made of inner tensors (a DTensor, a jagged nested tensor). A mode
+    that returns NotImplemented for it lets the subclass run the operator, on its inner
+    tensors, through the mode: the mode sees the storages those hold, not the wrapper's,
+    whose size is the whole (unsharded) tensor's. Fake tensors have no inner tensors."""
+    return any(hasattr(kind, "__tensor_flatten__") for kind in types)
+
+
 def op_callable(func: Any) -> Callable[..., Any]:
     """What runs operator `func` with one Python call less: an ``OpOverload``'s own
     ``_op``, else `func` itself."""

@@ -1,12 +1,17 @@
-"""FSDP2's private parts a recording needs to tell its communication buffers apart from
-the parameters and gradients they hold for a while: a ``fully_shard`` module's parameter
-group, the modules whose parameters it manages, and the buffers its collectives use. Every
-look-up is guarded: where a release moved one, those buffers count as whatever else they
-are seen as, and nothing fails."""
+"""The private parts of PyTorch's distributed training that torchmem uses.
+
+FSDP2's, for a recording to tell its communication buffers apart from the parameters and
+gradients they hold for a while: a ``fully_shard`` module's parameter group, the modules
+whose parameters it manages, and the buffers its collectives use. Every look-up is
+guarded: where a release moved one, those buffers count as whatever else they are seen
+as, and nothing fails. DTensor's sharding propagation and the fake process group, for
+estimates of each rank."""
 
 from __future__ import annotations
 
+import contextlib
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -70,3 +75,29 @@ def buffers(group: Any) -> list[tuple[torch.Tensor, tuple[torch.nn.Module, str] 
         and not is_traceable_wrapper_subclass(tensor)
         and tensor.untyped_storage().nbytes()
     ]
+
+
+def sharding_propagation() -> tuple[type, str] | None:
+    """DTensor's sharding propagator and the name of its method that runs an operator on
+    fake tensors of the whole (unsharded) shapes to learn its output's (once per operator
+    and shapes: DTensor caches it); None where DTensor is not imported or has moved it."""
+    module = sys.modules.get("torch.distributed.tensor._sharding_prop")
+    kind = getattr(module, "ShardingPropagator", None)
+    name = "_propagate_tensor_meta_non_cached"
+    return (kind, name) if isinstance(kind, type) and hasattr(kind, name) else None
+
+
+@contextlib.contextmanager
+def fake_process_group(rank: int, world_size: int) -> Iterator[None]:
+    """``torch.distributed`` initialised as `rank` of `world_size` on PyTorch's fake
+    process group (its test backend ``"fake"``: collectives return at once and move no
+    data; no process, no network), and destroyed when the block ends."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers "fake"
+
+    torch.distributed.init_process_group(
+        "fake", store=FakeStore(), rank=rank, world_size=world_size
+    )
+    try:
+        yield
+    finally:
+        torch.distributed.destroy_process_group()

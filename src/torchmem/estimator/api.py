@@ -29,6 +29,7 @@ from torchmem.estimator.allocator import (
     expandable_segments,
 )
 from torchmem.estimator.fake import FakeRun, run_fake
+from torchmem.estimator.ranks import checked_world_size, each_rank
 from torchmem.events.analysis import Names, device_run, module_peaks
 from torchmem.events.notes import Variable
 from torchmem.events.sources import NO_SITE, Log
@@ -133,7 +134,13 @@ class Estimate(EstimateRecord, Report):
         return high * SEGMENT_GRANULE + self.context_bytes
 
 
-def estimate(fn: Callable[..., Any], *args: Any, device: str = "cuda", **kwargs: Any) -> Estimate:
+def estimate(
+    fn: Callable[..., Any],
+    *args: Any,
+    device: str = "cuda",
+    world_size: int = 1,
+    **kwargs: Any,
+) -> Estimate:
     """The memory ``fn(*args, **kwargs)`` needs on `device`, from one run in which every
     tensor it makes is fake: nothing is allocated, so a batch of any size takes no memory
     here. `fn` builds what it needs (the model, the optimizer, the inputs), as a
@@ -146,6 +153,13 @@ def estimate(fn: Callable[..., Any], *args: Any, device: str = "cuda", **kwargs:
             ``device="cuda"``, copied there with ``.cuda()`` or ``.to("cuda")``, and made
             from GPU tensors (a model built on the CPU costs its copy only), and
             ``torch.autocast("cuda", dtype=...)`` casts by CUDA's rules.
+        world_size: the ranks of a distributed job to estimate. Above 1, `fn` runs once as
+            each rank, with ``torch.distributed`` initialised as that rank on PyTorch's
+            fake process group (no processes, no GPUs; ``RANK``, ``LOCAL_RANK`` and
+            ``WORLD_SIZE`` set as torchrun sets them), so ``fully_shard``, DDP and tensor
+            parallelism shard as on real ranks; `fn` must not initialise its own. The
+            estimate returned is the rank's with the highest peak, and its ``ranks``
+            holds every rank's.
 
     Operators whose result depends on tensor values cannot run on fake tensors: a read
     of one value (``loss.item()``) gives 1, or False (a note says so), while those whose output's
@@ -153,6 +167,8 @@ def estimate(fn: Callable[..., Any], *args: Any, device: str = "cuda", **kwargs:
     naming the operator.
     """
     target = _target(device)
+    if checked_world_size(world_size) > 1:
+        return each_rank(lambda: estimate(fn, *args, device=device, **kwargs), world_size)
     workspace = _workspace_bytes() if target == "cuda" else 0  # its setting read first
     _check_arguments((*args, *kwargs.values()))
     started = time.perf_counter()
@@ -273,11 +289,13 @@ def max_batch_size(
     capacity: int | float | str,
     *args: Any,
     device: str = "cuda",
+    world_size: int = 1,
     **kwargs: Any,
 ) -> int:
     """The largest batch size b for which ``estimate(fn, b, *args, device=device,
     **kwargs)`` :meth:`~Estimate.fits` `capacity` (bytes, a size string like ``"80 GiB"``,
-    or a GPU's name, ``"H100-80GB"``); 0 if not even a batch of 1 fits.
+    or a GPU's name, ``"H100-80GB"``); 0 if not even a batch of 1 fits. With a
+    `world_size`, every rank's memory must fit (the batch is each rank's).
 
     `fn` takes the batch size first. Memory is assumed to grow with the batch: two
     estimates (batch 1, and 2 or the first doubling whose memory differs) give the bytes
@@ -288,7 +306,9 @@ def max_batch_size(
     limit = gpus.capacity(capacity)
     _target(device)
     search = _Search(
-        lambda batch: estimate(fn, batch, *args, device=device, **kwargs), limit, capacity
+        lambda batch: estimate(fn, batch, *args, device=device, world_size=world_size, **kwargs),
+        limit,
+        capacity,
     )
     if not search.fits(1):
         return 0

@@ -31,7 +31,7 @@ from typing import Any, NoReturn
 
 import torch
 
-from torchmem._compat import DispatchMode, getframe, in_backward, storage_key
+from torchmem._compat import DispatchMode, getframe, in_backward, storage_key, wraps_tensors
 from torchmem._compat.fake import data_dependent_operator, fake_mode, no_dispatch_modes
 from torchmem.errors import EstimateError
 from torchmem.estimator.kernels import Kernels
@@ -39,8 +39,11 @@ from torchmem.estimator.loaders import loaders_in_process
 from torchmem.estimator.patches import (
     compiles_seen,
     cuda_autocast_on_cpu,
+    ddp_refused,
     foreach_optimizers,
+    global_shapes_unlogged,
     rng_states_counted,
+    storage_resizes_counted,
     swaps_forgetting,
 )
 from torchmem.estimator.placement import OnFakeCpu, any_on, mark, real_tensor
@@ -128,8 +131,12 @@ class _LoggedMeter(TensorMeter):
         """While a call names its device: whether that device is the GPU."""
         self._unstored = 0
         """The last key :meth:`made` gave (negative: no storage's)."""
+        self.paused = 0
+        """Above 0 while new storages are not counted (DTensor's shape propagation)."""
 
     def _count(self, storage: torch.UntypedStorage, nbytes: int) -> None:
+        if self.paused:
+            return
         key = storage_key(storage)
         ref = self._live.get(key)
         live = ref is not None and ref() is not None
@@ -141,10 +148,18 @@ class _LoggedMeter(TensorMeter):
                 return
         if ref is not None and live:
             self._log_free(key, ref.nbytes)
-            self._log_alloc(key, ref.nbytes + nbytes)
+            if ref.nbytes + nbytes:
+                self._log_alloc(key, ref.nbytes + nbytes)
         else:
             self._log_alloc(key, nbytes)
         super()._count(storage, nbytes)
+
+    def resized(self, storage: torch.UntypedStorage, nbytes: int) -> None:
+        """`storage`, which held `nbytes`, was resized in place (``UntypedStorage.resize_``,
+        which no operator sees): log the change, if the storage is counted."""
+        now = storage.nbytes()
+        if now != nbytes and self._counted(storage_key(storage)) is not None:
+            self._count(storage, now - nbytes)
 
     def made(self, nbytes: int) -> int:
         """Log `nbytes` made now by no operator (:mod:`~torchmem.estimator.kernels`); the
@@ -175,7 +190,8 @@ class _LoggedMeter(TensorMeter):
             if ref.key not in self.on_gpu:
                 return
             self.on_gpu.discard(ref.key)
-        self._log_free(ref.key, ref.nbytes)
+        if ref.nbytes:  # else resized to nothing, and logged freed then
+            self._log_free(ref.key, ref.nbytes)
 
     def _log_alloc(self, key: int, nbytes: int) -> None:
         self._open[key] = len(self.rows)
@@ -246,6 +262,8 @@ class _Operators(DispatchMode):
         self._seen: set[tuple[bool, bool]] = set()
         self.values = Values()
         self.kernels = Kernels(meter)
+        self.wrapped: Callable[[], None] = lambda: None
+        """Called at each operator on a wrapper subclass (a DTensor)."""
 
     def __torch_dispatch__(
         self,
@@ -254,6 +272,9 @@ class _Operators(DispatchMode):
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
+        if types and wraps_tensors(types):
+            self.wrapped()
+            return NotImplemented  # seen again as the operators on its inner tensors
         meter = self.meter
         kwargs = kwargs or {}
         real = real_tensor(func, (*args, *kwargs.values()))
@@ -431,6 +452,9 @@ def run_fake(
         stack.enter_context(_quiet_refusals())
         stack.enter_context(torch.random.fork_rng(devices=[]))
         stack.enter_context(rng_states_counted())  # after fork_rng's own
+        stack.enter_context(storage_resizes_counted(meter))
+        stack.enter_context(ddp_refused())
+        operators.wrapped = stack.enter_context(global_shapes_unlogged(meter))
         watcher.start()
         try:
             fn(*args, **kwargs)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -15,6 +15,8 @@ from torch.optim.optimizer import (
 )
 
 from torchmem._compat.fake import forget_converted
+from torchmem._compat.fsdp import sharding_propagation
+from torchmem.errors import EstimateError
 from torchmem.estimator.autocast import CudaRules
 from torchmem.estimator.placement import GPU_AS_CPU
 
@@ -133,3 +135,78 @@ def rng_states_counted() -> Iterator[None]:
         yield
     finally:
         torch.get_rng_state = original
+
+
+@contextlib.contextmanager
+def storage_resizes_counted(meter: Any) -> Iterator[None]:
+    """``UntypedStorage.resize_``, which no operator sees, told to `meter`'s ``resized``
+    until the block ends: FSDP2 frees each unsharded parameter with ``resize_(0)`` after
+    the forward and the backward of its module, and brings it back with ``resize_(n)``
+    before the next all-gather."""
+    original = torch.UntypedStorage.resize_
+
+    def resize_(self: torch.UntypedStorage, size: int) -> Any:
+        nbytes = self.nbytes()
+        out = original(self, size)
+        meter.resized(self, nbytes)
+        return out
+
+    torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        torch.UntypedStorage.resize_ = original  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def global_shapes_unlogged(meter: Any) -> Iterator[Callable[[], None]]:
+    """Yields what to call once DTensor is in use: from then until the block ends, `meter`
+    logs nothing while DTensor's sharding propagation runs an operator on fake tensors of
+    the whole tensors' shapes, which only tell it the output's shape."""
+    patched: list[tuple[type, str, Any]] = []
+
+    def install() -> None:
+        found = sharding_propagation()
+        if patched or found is None:
+            return
+        kind, name = found
+        original = getattr(kind, name)
+
+        def propagate(self: Any, *args: Any, **kwargs: Any) -> Any:
+            meter.paused += 1
+            try:
+                return original(self, *args, **kwargs)
+            finally:
+                meter.paused -= 1
+
+        setattr(kind, name, propagate)
+        patched.append((kind, name, original))
+
+    try:
+        yield install
+    finally:
+        for kind, name, original in patched:
+            setattr(kind, name, original)
+
+
+@contextlib.contextmanager
+def ddp_refused() -> Iterator[None]:
+    """``DistributedDataParallel(...)`` raises an :class:`EstimateError` that says why,
+    until the block ends: its reducer, in C++, checks the parameters' values across ranks
+    and needs real results from its collectives, which a run on fake tensors has not."""
+    kind = torch.nn.parallel.DistributedDataParallel
+    original = kind.__init__
+
+    def init(self: Any, *args: Any, **kwargs: Any) -> None:
+        raise EstimateError(
+            "DistributedDataParallel cannot run in an estimate: its reducer needs the"
+            " values of real collectives. Estimate the step without it: DDP adds its"
+            " gradient buckets (about the gradients' bytes, bucket_cap_mb at a time) to"
+            " each rank"
+        )
+
+    kind.__init__ = init  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        kind.__init__ = original  # type: ignore[method-assign]

@@ -206,13 +206,16 @@ class Watcher:
     # Marks -----------------------------------------------------------------------------
 
     def mark(self, tensor: torch.Tensor, category: int, name: tuple[Any, ...] | None) -> None:
+        inner = inner_tensors(tensor)
+        if inner:  # a wrapper subclass's bytes (a DTensor's local shard) are its inner tensors'
+            for part in inner:
+                self.mark(part, category, name)
+            return
         try:
             ptr = self._address(tensor)
-        except Exception:  # no storage of its own (sparse tensors, wrapper subclasses)
-            ptr = 0
-        if not ptr:  # a wrapper subclass's bytes (a DTensor's local shard) are its inner tensors'
-            for inner in inner_tensors(tensor):
-                self.mark(inner, category, name)
+        except Exception:  # no storage of its own (sparse tensors)
+            return
+        if not ptr:
             return
         log = self._log
         if log is not None and tensor.is_cpu:

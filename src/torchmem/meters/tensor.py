@@ -38,6 +38,7 @@ from torchmem._compat import (
     pop_mode,
     push_mode,
     storage_key,
+    wraps_tensors,
 )
 from torchmem.meters.base import Meter, Window, WindowRef
 from torchmem.resolve import DeviceLike, parse_device, resolve_device
@@ -334,6 +335,8 @@ class _WatchMode(DispatchMode):
         _, call, fresh, mutated = facts
         if not self.active:
             return call(*args, **kwargs) if kwargs else call(*args)
+        if types and wraps_tensors(types):
+            return NotImplemented  # seen again as the operators on its inner tensors
         before: Sequence[tuple[torch.Tensor, torch.UntypedStorage, int]] | None = None
         if mutated:
             first = args[0] if args else None

@@ -48,6 +48,12 @@ class EstimateRecord:
     """How long the estimate took."""
     function: str = ""
     """The qualified name of the function estimated."""
+    world_size: int = 1
+    """The ranks estimated (:func:`torchmem.estimate`'s `world_size`)."""
+    rank: int = 0
+    """The rank this estimate is of: with :attr:`ranks`, the one with the highest peak."""
+    ranks: tuple[EstimateRecord, ...] = ()
+    """With a `world_size` above 1, each rank's own estimate, by rank; else empty."""
 
     def to_json(self) -> dict[str, Any]:
         """The documented JSON form (docs/json.md): the estimate's own figures, and under
@@ -65,5 +71,16 @@ class EstimateRecord:
             "modelled": list(self.modelled),
             "not_modelled": list(self.not_modelled),
             "seconds": self.seconds,
+            "world_size": self.world_size,
+            "rank": self.rank,
+            "ranks": [
+                {
+                    "rank": each.rank,
+                    "peak_bytes": each.peak_bytes,
+                    "reserved_bytes": each.reserved_bytes,
+                    "categories_at_peak": dict(each.categories),
+                }
+                for each in self.ranks
+            ],
             "run": run.to_json(),
         }

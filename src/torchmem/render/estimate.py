@@ -14,10 +14,27 @@ from torchmem.render.run import details_html, details_text, terminal_width
 from torchmem.render.text import table
 from torchmem.units import readable_size
 
+RANKS = "Each rank at its peak (*: the highest, shown below):"
+
 
 def _headline(record: EstimateRecord) -> str:
     name = record.function or "the function"
-    return f"torchmem estimate: {name} on {record.device} ({record.seconds:.2f}s)"
+    which = f", rank {record.rank} of {record.world_size}" if record.ranks else ""
+    return f"torchmem estimate: {name} on {record.device}{which} ({record.seconds:.2f}s)"
+
+
+def _ranks(record: EstimateRecord) -> list[tuple[str, ...]]:
+    """A row per rank: its peak (and reserve, on CUDA), and what its memory was at its
+    peak, for the categories any rank had; the rank shown (the highest peak) starred."""
+    cuda = record.device == "cuda"
+    shown = [name for name in CATEGORIES if any(e.categories.get(name) for e in record.ranks)]
+    rows = [("rank", "peak", *(("reserved",) if cuda else ()), *shown)]
+    for each in record.ranks:
+        sizes = [each.peak_bytes, *((each.reserved_bytes,) if cuda else ())]
+        sizes += [each.categories.get(name, 0) for name in shown]
+        star = " *" if each.rank == record.rank else ""
+        rows.append((f"{each.rank}{star}", *map(readable_size, sizes)))
+    return rows
 
 
 def _totals(record: EstimateRecord) -> list[tuple[str, ...]]:
@@ -51,6 +68,8 @@ def text(record: EstimateRecord, top: int = 10) -> str:
     """The terminal summary: the totals, then what the memory was at the peak, the lines
     and largest allocations alive then, each module's peaks, and what was modelled."""
     blocks = [_headline(record), "\n".join(table(_totals(record)))]
+    if record.ranks:
+        blocks.append("\n".join([RANKS, *table(_ranks(record))]))
     blocks += details_text(record.run, record.modules, top, terminal_width())
     for title, items in _lists(record):
         blocks.append("\n".join([title] + [f"  - {item}" for item in items]))
@@ -65,6 +84,7 @@ def html(record: EstimateRecord, top: int = 10) -> str:
     parts = [
         f"<h3>{markup.escape(_headline(record))}</h3>",
         f"<table><thead><tr>{cells}</tr></thead><tbody><tr>{row}</tr></tbody></table>",
+        _ranks_html(record),
         chart.timeline(record.run),
         details_html(record.run, record.modules, top),
     ]
@@ -73,6 +93,17 @@ def html(record: EstimateRecord, top: int = 10) -> str:
         parts.append(f"<h4>{markup.escape(title)}</h4><ul>{entries}</ul>")
     parts.append(f"<script>\n{chart.SCRIPT}</script>")
     return '<div class="torchmem-estimate">' + "\n".join(parts) + "</div>"
+
+
+def _ranks_html(record: EstimateRecord) -> str:
+    if not record.ranks:
+        return ""
+    header, *rows = _ranks(record)
+    head = "".join(f"<th>{markup.escape(h)}</th>" for h in header)
+    body = "".join(
+        "<tr>" + "".join(f"<td>{markup.escape(v)}</td>" for v in row) + "</tr>" for row in rows
+    )
+    return f"<h4>{RANKS}</h4><table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
 def page(record: EstimateRecord, top: int = 10) -> str:

@@ -82,6 +82,7 @@ CPU_NOT_MODELLED = (
     " broadcast operand; GELU's, LayerNorm's, embedding's, attention's and convolution's"
     " backward; MSE's and BCE with logits' forward)",
     "gradients autograd adds up in place (counted as a new tensor)",
+    "the process group's own buffers (gloo copies what one rank scatters to the others)",
 )
 COMPILED = (
     "fn compiled code with torch.compile: compiled graphs are not modelled (their"

@@ -32,10 +32,10 @@ pytestmark = [
 
 HANG_SECONDS = 60
 """An iteration that takes longer has hung: faulthandler dumps every thread and exits."""
-RUNS = 3
+RUNS = 2
 """Fresh processes that run the workload ITERATIONS times, each inside a recording."""
 ITERATIONS = 30
-CLI_RUNS = 3
+CLI_RUNS = 2
 """``torchmem run`` of the workload, CLI_ITERATIONS times inside, each inside a recording
 of its own (nested in the run's)."""
 CLI_ITERATIONS = 10

@@ -519,12 +519,13 @@ def test_the_hooks_log_functions_are_python_functions_that_refuse_bad_arguments(
 @pytest.mark.slow
 def test_the_example_runs_every_time_under_the_fallback_without_a_compiler(tmp_path):
     """A walk of Python's objects from torchmem's sampling thread broke a tuple the script
-    was building (``SystemError: bad argument to internal function``, 6 runs in 10)."""
+    was building (``SystemError: bad argument to internal function``, 6 runs in 10: three
+    runs all pass with a chance of 6% where it is back)."""
     env = {**os.environ, "CXX": str(tmp_path / "no-such-compiler")}
     env["TORCHMEM_CACHE_DIR"] = str(tmp_path / "cache")
     example = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "train.py")
     command = [sys.executable, "-m", "torchmem", "run", example, "--steps", "2"]
-    for _ in range(5):
+    for _ in range(3):
         done = subprocess.run(command, capture_output=True, text=True, env=env)
         assert done.returncode == 0, done.stderr
         assert "fallback meter" in done.stderr  # the report

@@ -154,13 +154,9 @@ def estimate(
             ``device="cuda"``, copied there with ``.cuda()`` or ``.to("cuda")``, and made
             from GPU tensors (a model built on the CPU costs its copy only), and
             ``torch.autocast("cuda", dtype=...)`` casts by CUDA's rules.
-        world_size: the ranks of a distributed job to estimate. Above 1, `fn` runs once as
-            each rank, with ``torch.distributed`` initialised as that rank on PyTorch's
-            fake process group (no processes, no GPUs; ``RANK``, ``LOCAL_RANK`` and
-            ``WORLD_SIZE`` set as torchrun sets them), so ``fully_shard``, DDP and tensor
-            parallelism shard as on real ranks; `fn` must not initialise its own. The
-            estimate returned is the rank's with the highest peak, and its ``ranks``
-            holds every rank's.
+        world_size: ranks of a distributed job: above 1, `fn` runs as each rank in turn on
+            PyTorch's fake process group (:mod:`~torchmem.estimator.ranks`), and the rank
+            with the highest peak is returned, every rank's in its ``ranks``.
 
     Operators whose result depends on tensor values cannot run on fake tensors: a read
     of one value (``loss.item()``) gives 1, or False (a note says so), while those whose output's
@@ -170,20 +166,17 @@ def estimate(
     target = _target(device)
     if checked_world_size(world_size) > 1:
         return each_rank(lambda: estimate(fn, *args, device=device, **kwargs), world_size)
-    workspace = _workspace_bytes() if target == "cuda" else 0  # its setting read first
+    cuda = target == "cuda"
+    workspace = _workspace_bytes() if cuda else 0  # its setting read first
     _check_arguments((*args, *kwargs.values()))
     started = time.perf_counter()
-    fake = _run(fn, args, kwargs, cuda=target == "cuda")
-    notes = _notes(fake, cuda=target == "cuda")
+    fake = _run(fn, args, kwargs, cuda=cuda)
+    notes = _notes(fake, cuda=cuda)
     log, reserved, expandable = fake.log, None, False
     requests: tuple[int, ...] = ()
-    if target == "cuda":
-        expandable = expandable_segments()
-        allocator = CachingAllocator(expandable=expandable)
-        log, requests = _on_cuda(fake, allocator, workspace)
-        reserved = allocator.reserved_peak
+    if cuda:
+        log, reserved, expandable, requests = _replayed(fake, workspace)
     run, modules = _tallied(fake, log, target, reserved)
-    cuda = target == "cuda"
     return Estimate(
         device=target,
         peak_bytes=run.peak_bytes,
@@ -201,6 +194,16 @@ def estimate(
         function=getattr(fn, "__qualname__", repr(fn)),
         requests=requests,
     )
+
+
+def _replayed(fake: FakeRun, workspace: int) -> tuple[Log, int, bool, tuple[int, ...]]:
+    """The fake run's log replayed through the caching allocator's model (see
+    :func:`_on_cuda`), the highest bytes it reserved, whether its segments were
+    expandable, and the requests for :attr:`Estimate.needed_bytes`."""
+    expandable = expandable_segments()
+    allocator = CachingAllocator(expandable=expandable)
+    log, requests = _on_cuda(fake, allocator, workspace)
+    return log, allocator.reserved_peak, expandable, requests
 
 
 def _check_arguments(values: Sequence[Any]) -> None:

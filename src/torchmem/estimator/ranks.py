@@ -14,16 +14,15 @@ import contextlib
 import dataclasses
 import os
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from typing import TypeVar
 
 import torch
 
 from torchmem._compat.fsdp import fake_process_group
 from torchmem.errors import EstimateError
+from torchmem.records.estimate import EstimateRecord
 
-if TYPE_CHECKING:
-    from torchmem.estimator.api import Estimate
-
+Estimate = TypeVar("Estimate", bound=EstimateRecord)
 _ENVIRON = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
 
 

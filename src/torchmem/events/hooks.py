@@ -55,8 +55,7 @@ if TYPE_CHECKING:
 PARAMETERS, GRADIENTS, OPTIMIZER_STATE, BUFFERS, COMMUNICATION, ACTIVATIONS, OTHER = range(7)
 """Category indices, in the order of :data:`~torchmem.records.run.CATEGORIES`."""
 PENDING = 8
-"""Backward passes awaited per module at most (more forward calls than backward passes,
-e.g. evaluation with gradients on, drop the oldest)."""
+"""Backward passes awaited per module at most (more forward calls drop the oldest)."""
 
 
 CATCH_UP = 64
@@ -206,15 +205,13 @@ class Watcher:
     # Marks -----------------------------------------------------------------------------
 
     def mark(self, tensor: torch.Tensor, category: int, name: tuple[Any, ...] | None) -> None:
-        inner = inner_tensors(tensor)
-        if inner:  # a wrapper subclass's bytes (a DTensor's local shard) are its inner tensors'
-            for part in inner:
-                self.mark(part, category, name)
-            return
+        inner = inner_tensors(tensor)  # a wrapper subclass's bytes (a DTensor's local shard)
+        for part in inner:
+            self.mark(part, category, name)
         try:
-            ptr = self._address(tensor)
+            ptr = 0 if inner else self._address(tensor)
         except Exception:  # no storage of its own (sparse tensors)
-            return
+            ptr = 0
         if not ptr:
             return
         log = self._log

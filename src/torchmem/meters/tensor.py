@@ -364,18 +364,16 @@ class _WatchMode(DispatchMode):
                 ref = meter._live.get(storage_key(storage))
                 if ref is not None and ref() is not None:  # counted, and alive
                     return out
-                for arg in args:
-                    if arg is out:
-                        return out
+                if any(arg is out for arg in args):
+                    return out
                 nbytes = storage.nbytes()
                 if nbytes:
                     meter._count(storage, nbytes)
         elif fresh:
             meter._returned(fresh, out, args)
         elif func in _SET_STORAGE:
-            # torch.load, unpickling and deepcopy make a storage without an operator,
-            # then set_ a tensor to it (as share_memory_ does with shared memory, which
-            # is not the allocator's).
+            # torch.load, unpickling and deepcopy make a storage without an operator, then
+            # set_ a tensor to it (share_memory_ too, to shared memory: not the allocator's).
             if not args[0].untyped_storage().is_shared():
                 meter._created(args[0])
         elif func is _LIFT_FRESH:

@@ -52,6 +52,14 @@ class EstimateCommand(Command):
             " with --capacity and --batch, the largest batch too",
         )
         parser.add_argument(
+            "--world-size",
+            type=int,
+            default=1,
+            metavar="N",
+            help="estimate each of N ranks of a distributed job (FSDP2, tensor parallel) on"
+            " PyTorch's fake process group: no processes, no GPUs",
+        )
+        parser.add_argument(
             "--html", metavar="PATH", help="write the estimate as a self-contained HTML page"
         )
         parser.add_argument(
@@ -76,11 +84,15 @@ class EstimateCommand(Command):
             if args.advice:
                 result: Any = advise(called, *call_args, device=args.device, capacity=args.capacity)
             elif args.capacity is not None:
-                found = max_batch_size(called, args.capacity, device=args.device)
+                found = max_batch_size(
+                    called, args.capacity, device=args.device, world_size=args.world_size
+                )
                 print(f"largest batch size that fits {args.capacity} on {args.device}: {found}")
                 return 0
             else:
-                result = estimate(called, *call_args, device=args.device)
+                result = estimate(
+                    called, *call_args, device=args.device, world_size=args.world_size
+                )
         except EstimateError as exc:
             raise CommandError(str(exc)) from None
         except CommandError:
@@ -114,6 +126,8 @@ class EstimateCommand(Command):
             raise CommandError("--advice with --capacity takes a MODULE:FUNCTION and its --batch")
         if args.capacity is not None and not args.advice and (args.batch is not None or script):
             raise CommandError("--capacity takes a MODULE:FUNCTION and no --batch")
+        if args.advice and args.world_size != 1:
+            raise CommandError("--advice is for one process: it takes no --world-size yet", 2)
         fn, call_args = _target(args.target, args.args, args.batch)
         if (args.capacity is None or args.advice) and not script:
             try:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import json
+import resource
 import shutil
 import weakref
 from collections.abc import Callable, Iterable, Iterator
@@ -30,6 +31,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 import torchmem
 from launchers import finished, torchrun
 from sharded_job import train
+from standins import call_in_fresh_process_without_gpu
 from torchmem.cli import main
 
 pytestmark = pytest.mark.counting
@@ -181,6 +183,8 @@ def test_an_estimate_of_each_rank_is_that_ranks_recorded_peak() -> None:
 def test_an_estimate_of_ranks_says_what_it_cannot_do() -> None:
     with pytest.raises(ValueError, match=r"^world_size must be a whole number of ranks.*: 0$"):
         torchmem.estimate(fsdp2_step, 128, device="cpu", world_size=0)
+    with pytest.raises(torchmem.EstimateError, match=r"^estimates of ranks are of CPU tensors"):
+        torchmem.estimate(fsdp2_step, 128, device="cuda", world_size=2)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     try:
         with pytest.raises(torchmem.EstimateError, match="a process group is initialised"):
@@ -279,3 +283,82 @@ def test_the_command_line_estimates_each_rank(
     assert batch > 1 and fits == [True, False]
     assert main([*words, "--batch", "8", "--advice"]) == 2
     assert "--advice is for one process" in capsys.readouterr().err
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+
+
+class LlamaBlock(nn.Module):
+    """A Llama 7B's block: hidden 4,096, 32 heads, 11,008 intermediate (SwiGLU)."""
+
+    def __init__(self, hidden: int = 4096, heads: int = 32, inner: int = 11008) -> None:
+        super().__init__()
+        self.heads = heads
+        self.attention_norm, self.ffn_norm = RMSNorm(hidden), RMSNorm(hidden)
+        self.wqkv = nn.Linear(hidden, 3 * hidden, bias=False)
+        self.wo = nn.Linear(hidden, hidden, bias=False)
+        self.w1 = nn.Linear(hidden, inner, bias=False)
+        self.w3 = nn.Linear(hidden, inner, bias=False)
+        self.w2 = nn.Linear(inner, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, hidden = x.shape
+        q, k, v = (
+            y.view(b, t, self.heads, -1).transpose(1, 2)
+            for y in self.wqkv(self.attention_norm(x)).split(hidden, dim=-1)
+        )
+        y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.wo(y.transpose(1, 2).reshape(b, t, hidden))
+        h = self.ffn_norm(x)
+        return x + self.w2(nn.functional.silu(self.w1(h)) * self.w3(h))
+
+
+def llama(layers: int, vocabulary: int = 32000, hidden: int = 4096) -> nn.Module:
+    return nn.Sequential(
+        nn.Embedding(vocabulary, hidden),
+        *[LlamaBlock() for _ in range(layers)],
+        RMSNorm(hidden),
+        nn.Linear(hidden, vocabulary, bias=False),
+    )
+
+
+def llama_step(batch: int) -> None:
+    """An FSDP2 training step of a Llama 7B's width with 4 blocks, 2,048 tokens a row."""
+    model = llama(4)
+    for block in model[1:5]:
+        fully_shard(block)
+    fully_shard(model)
+    optimizer = torch.optim.AdamW(model.parameters())
+    tokens = torch.randint(0, 32000, (batch, 2048))
+    logits = model(tokens)
+    nn.functional.cross_entropy(logits.view(-1, 32000), tokens.view(-1)).backward()
+    optimizer.step()
+
+
+def estimate_llama_on_eight_ranks() -> dict[str, object]:
+    """In a fresh process: each rank's parameters, and the process's peak RSS."""
+    estimate = torchmem.estimate(llama_step, 1, device="cpu", world_size=8)
+    return {
+        "parameters": [each.categories["parameters"] for each in estimate.ranks],
+        "peaks": [each.peak_bytes for each in estimate.ranks],
+        "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    }
+
+
+@pytest.mark.slow
+def test_a_llama_7b_width_on_eight_fake_ranks_is_estimated_in_little_memory() -> None:
+    found = call_in_fresh_process_without_gpu(estimate_llama_on_eight_ranks)
+    with torch.device("meta"):
+        shapes = [p.shape for p in llama(4).parameters()]
+    # FSDP2 gives each rank ceil(rows / 8) of every parameter's rows
+    sharded = sum(-(-shape[0] // 8) * (shape.numel() // shape[0]) * 4 for shape in shapes)
+    assert sharded == 535_840_768
+    assert found["parameters"] == [sharded] * 8
+    assert len(set(found["peaks"])) == 1 and found["peaks"][0] > 4 * sharded
+    assert found["rss"] < 4 * 2**30  # fake tensors: no rank's memory is allocated

@@ -155,8 +155,9 @@ def estimate(
             from GPU tensors (a model built on the CPU costs its copy only), and
             ``torch.autocast("cuda", dtype=...)`` casts by CUDA's rules.
         world_size: ranks of a distributed job: above 1, `fn` runs as each rank in turn on
-            PyTorch's fake process group (:mod:`~torchmem.estimator.ranks`), and the rank
-            with the highest peak is returned, every rank's in its ``ranks``.
+            PyTorch's fake process group (:mod:`~torchmem.estimator.ranks`; CPU tensors
+            only, for now), and the rank with the highest peak is returned, every rank's
+            in its ``ranks``.
 
     Operators whose result depends on tensor values cannot run on fake tensors: a read
     of one value (``loss.item()``) gives 1, or False (a note says so), while those whose output's
@@ -165,7 +166,7 @@ def estimate(
     """
     target = _target(device)
     if checked_world_size(world_size) > 1:
-        return each_rank(lambda: estimate(fn, *args, device=device, **kwargs), world_size)
+        return each_rank(lambda: estimate(fn, *args, device=device, **kwargs), world_size, target)
     cuda = target == "cuda"
     workspace = _workspace_bytes() if cuda else 0  # its setting read first
     _check_arguments((*args, *kwargs.values()))

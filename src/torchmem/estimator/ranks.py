@@ -34,9 +34,17 @@ def checked_world_size(world_size: object) -> int:
     return world_size
 
 
-def each_rank(one: Callable[[], Estimate], world_size: int) -> Estimate:
+def each_rank(one: Callable[[], Estimate], world_size: int, target: str) -> Estimate:
     """`one()` run as each rank of `world_size`; the estimate of the rank with the highest
-    peak (the lowest such rank), with every rank's in its ``ranks``."""
+    peak (the lowest such rank), with every rank's in its ``ranks``. CPU ranks only (a
+    `target` of ``"cpu"``) for now."""
+    if target != "cpu":
+        raise EstimateError(
+            "estimates of ranks are of CPU tensors for now: pass device='cpu' (their bytes"
+            " are what a GPU rank allocates, before the caching allocator rounds them). On"
+            " a machine without a GPU, FSDP2 and DTensor put each shard on the CPU, where"
+            " a GPU estimate sees none of it"
+        )
     if not torch.distributed.is_available():
         raise EstimateError("estimates of ranks need torch.distributed, which this PyTorch lacks")
     if torch.distributed.is_initialized():

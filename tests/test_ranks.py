@@ -106,6 +106,29 @@ def test_the_ranks_peaks_and_the_category_that_differs_most() -> None:
     assert (found.category_low_rank, found.category_low_bytes) == (0, 0)
 
 
+def test_each_ranks_categories_say_which_rank_held_the_most_of_each() -> None:
+    reports = [
+        record(8 * MiB, parameters=4 * MiB, activations=4 * MiB),
+        record(24 * MiB, parameters=4 * MiB, activations=4 * MiB, other=16 * MiB),
+        record(16 * MiB, parameters=4 * MiB, activations=12 * MiB),
+    ]
+    ranks = assemble([payload(r, report) for r, report in enumerate(reports)], range(3))
+    lines = str(ranks).splitlines()
+    at = lines.index("Each rank at its peak, by category:")
+    assert lines[at + 1 : at + 6] == [
+        "  rank  device  parameters  activations   other",
+        "     0  cpu          4.00M        4.00M   0.00B",
+        "     1  cpu          4.00M        4.00M  16.00M",
+        "     2  cpu          4.00M       12.00M   0.00B",
+        "  Most of each: activations on rank 2 (12.00M); other on rank 1 (16.00M).",
+    ]
+    even = assemble([payload(r, reports[0]) for r in range(2)], range(2))
+    assert "  Every rank held the same of each." in str(even).splitlines()
+    alone = assemble([payload(0, reports[0])], range(1))
+    assert "Each rank at its peak, by category:" not in str(alone)
+    assert "<th>activations</th>" in ranks._repr_html_()
+
+
 def test_ranks_compare_their_main_devices_of_the_common_kind() -> None:
     runs = [
         RankRun(0, "a", record(30 * MiB, device="cuda:0")),
@@ -144,17 +167,23 @@ def test_the_table_says_each_ranks_peak_and_who_raised() -> None:
         "   0  node1  cpu      8.00M  4.00M  other 8.00M        300.00M     0",
         "   1  node1  cpu     16.00M  8.00M  other 16.00M       300.00M     1",
         "",
+        "Each rank at its peak, by category:",
+        "  rank  device   other",
+    ]
+    assert lines[8:18] == [
+        "     0  cpu      8.00M",
+        "     1  cpu     16.00M",
+        "  Most of each: other on rank 1 (16.00M).",
+        "",
         "Imbalance on cpu: rank 1 peaked at 16.00M, 2.00x rank 0's 8.00M; the category that"
         " differs most is other: 16.00M on rank 1 against 8.00M on rank 0.",
         "Rank 1 raised ValueError: boom (the traceback is in rank 1's output).",
-    ]
-    assert lines[8:12] == [
         "Rank 2 sent no report: it died, or had not finished by then.",
         "",
         "Rank 1, the highest peak, in detail:",
         "",
     ]
-    assert lines[12] == "torchmem: where the memory went (1.00s, exit code 1)"
+    assert lines[18] == "torchmem: where the memory went (1.00s, exit code 1)"
     assert ranks.exit_code == 1
 
 

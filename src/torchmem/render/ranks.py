@@ -4,8 +4,9 @@ self-contained HTML page, and pandas.
 Every renderer reads a :class:`~torchmem.records.ranks.RanksRecord` and shows the same
 things: one row per rank and device (its peak, the caching allocator's reserved peak on
 GPUs, the end, the category that held most at the peak, the process's RAM peak and the
-script's exit code), how unevenly the ranks peaked, which ranks raised or never reported,
-and the rank with the highest peak in detail.
+script's exit code), each rank's categories at its peak and which rank held the most of
+each, how unevenly the ranks peaked, which ranks raised or never reported, and the rank
+with the highest peak in detail.
 """
 
 from __future__ import annotations
@@ -100,6 +101,28 @@ def _table(record: RanksRecord) -> Section:
     more = f"{SAMPLED} sampled, not exact: the true peak may be higher." if sampled else ""
     left = (1, 2, header.index("most at the peak"))
     return Section("", rows, left=left, header=header, more=more)
+
+
+def _categories(record: RanksRecord) -> Section | None:
+    """With more than one rank: each rank's memory at its peak by category (those any rank
+    had), and which rank held the most of each category that differs between them."""
+    held = [(run.rank, d) for run in record.ranks for d in _shown(run) if d.categories_at_peak]
+    if len(record.ranks) < 2 or not held:
+        return None
+    names = [n for n in CATEGORIES if any((d.categories_at_peak or {}).get(n) for _, d in held)]
+    sizes = [[(d.categories_at_peak or {}).get(n, 0) for n in names] for _, d in held]
+    rows = [
+        (str(rank), d.device, *map(readable_size, row))
+        for (rank, d), row in zip(held, sizes, strict=True)
+    ]
+    most = []
+    for i, name in enumerate(names):
+        if len({row[i] for row in sizes}) > 1:
+            top = max(range(len(held)), key=lambda k: (sizes[k][i], -held[k][0]))
+            most.append(f"{name} on rank {held[top][0]} ({readable_size(sizes[top][i])})")
+    more = f"Most of each: {'; '.join(most)}." if most else "Every rank held the same of each."
+    header = ("rank", "device", *names)
+    return Section("Each rank at its peak, by category:", rows, (1,), header, more)
 
 
 def _ranks(ranks: list[int]) -> str:
@@ -201,6 +224,9 @@ def text(record: RanksRecord, top: int = 10) -> str:
     (:func:`torchmem.render.run.text`, `top` lines per list).
     """
     blocks = [[_headline(record)], section_text(_table(record))]
+    categories = _categories(record)
+    if categories is not None:
+        blocks.append(section_text(categories))
     remarks = _remarks(record)
     if remarks:
         blocks.append(remarks)
@@ -217,6 +243,9 @@ def html(record: RanksRecord, top: int = 10) -> str:
     in a ``<details>`` element that opens without scripts (the highest rank's open), and
     once the script of the charts' hover."""
     parts = [f"<h3>{markup.escape(_headline(record))}</h3>", section_html(_table(record))]
+    categories = _categories(record)
+    if categories is not None:
+        parts.append(section_html(categories))
     parts += [f"<p>{markup.escape(line)}</p>" for line in _remarks(record)]
     detail = highest(record)
     for run in record.ranks:

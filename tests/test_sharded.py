@@ -362,3 +362,27 @@ def test_a_llama_7b_width_on_eight_fake_ranks_is_estimated_in_little_memory() ->
     assert found["parameters"] == [sharded] * 8
     assert len(set(found["peaks"])) == 1 and found["peaks"][0] > 4 * sharded
     assert found["rss"] < 4 * 2**30  # fake tensors: no rank's memory is allocated
+
+
+def even_step(batch: int) -> None:
+    """An FSDP2 step of four 256 x 256 layers, the same on every rank."""
+    model = nn.Sequential(*[nn.Linear(256, 256) for _ in range(4)])
+    for layer in model:
+        fully_shard(layer)
+    fully_shard(model)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(batch, 256)).sum().backward()
+    optimizer.step()
+
+
+def test_the_fewest_ranks_a_step_fits_on_is_a_power_of_two() -> None:
+    peaks = {n: torchmem.estimate(even_step, 64, device="cpu", world_size=n) for n in (2, 4)}
+    assert all(len({r.peak_bytes for r in peaks[n].ranks}) == 1 for n in peaks)
+    two, four = peaks[2].peak_bytes, peaks[4].peak_bytes
+    assert two > four
+    assert torchmem.min_world_size(even_step, 64, capacity=four) == 4
+    assert torchmem.min_world_size(even_step, 64, capacity=two) == 2
+    assert torchmem.min_world_size(even_step, 64, capacity="1 GiB") == 1
+    # The activations and what FSDP2 all-gathers do not shard: 1 KiB fits no number of ranks
+    assert torchmem.min_world_size(even_step, 64, capacity=1024) is None
+    assert not dist.is_initialized()

@@ -49,6 +49,7 @@ _EXPORTS = {
         "max_batch_size",
     ),
     "torchmem.estimator.advice": ("advise", "Advice"),
+    "torchmem.estimator.scale": ("min_world_size",),
     "torchmem.lines": (
         "clear_global_line_profiler",
         "DEFAULT_COLUMNS",
@@ -181,6 +182,7 @@ if _typing.TYPE_CHECKING:
         max_batch_size as max_batch_size,
     )
     from torchmem.estimator.advice import Advice as Advice, advise as advise
+    from torchmem.estimator.scale import min_world_size as min_world_size
     from torchmem.lines import (
         DEFAULT_COLUMNS as DEFAULT_COLUMNS,
         FunctionRecord as FunctionRecord,

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import TypeVar
 
 import torch
@@ -34,10 +34,12 @@ def checked_world_size(world_size: object) -> int:
     return world_size
 
 
-def each_rank(one: Callable[[], Estimate], world_size: int, target: str) -> Estimate:
-    """`one()` run as each rank of `world_size`; the estimate of the rank with the highest
-    peak (the lowest such rank), with every rank's in its ``ranks``. CPU ranks only (a
-    `target` of ``"cpu"``) for now."""
+def each_rank(
+    one: Callable[[], Estimate], world_size: int, target: str, ranks: Sequence[int] = ()
+) -> Estimate:
+    """`one()` run as each rank of `world_size` (only the `ranks` given, if any); the
+    estimate of the rank with the highest peak (the lowest such rank), with every rank's
+    in its ``ranks``. CPU ranks only (a `target` of ``"cpu"``) for now."""
     if target != "cpu":
         raise EstimateError(
             "estimates of ranks are of CPU tensors for now: pass device='cpu' (their bytes"
@@ -54,7 +56,7 @@ def each_rank(one: Callable[[], Estimate], world_size: int, target: str) -> Esti
             " fn use the one it finds, not initialise its own)"
         )
     found = []
-    for rank in range(world_size):
+    for rank in ranks or range(world_size):
         with _as_rank(rank, world_size):
             found.append(dataclasses.replace(one(), rank=rank, world_size=world_size))
     seconds = sum(e.seconds for e in found)

@@ -35,6 +35,7 @@ from benchmarks import (
     ranks,
     reporter,
     run as run_command,
+    sharded,
     snapshot,
     zoo,
 )
@@ -80,6 +81,11 @@ class Config:
     """Models of the estimator's zoo (None: all)."""
     record_repeat: int = 21
     """Rounds of each contender in the recording's fixed-cost case."""
+    sharded_width: int = sharded.WIDTH
+    """Width of the sharded step's layers."""
+    sharded_batch: int = 64
+    sharded_worlds: tuple[int, ...] = (2, 4)
+    """The world sizes of the sharded step."""
 
 
 FULL = Config()
@@ -100,6 +106,9 @@ TINY = Config(
     tiny_repeat=1,
     tiny_scale=0.0002,
     zoo_models=3,
+    sharded_width=256,
+    sharded_batch=8,
+    sharded_worlds=(2,),
     record_repeat=1,
 )
 
@@ -185,6 +194,10 @@ def sections(config: Config) -> Iterator[str]:
     yield "## 14. Estimator model zoo\n\n" + doc(zoo)
     rows = zoo.measure(config.zoo_models)
     yield zoo.table(rows) + "\n\n" + zoo.verdicts(rows)
+
+    yield "## 15. Each rank of a sharded step, estimated\n\n" + doc(sharded)
+    found = sharded.measure(config.sharded_width, config.sharded_batch, config.sharded_worlds)
+    yield sharded.table(found) + "\n\n" + sharded.verdicts(found)
 
 
 def recorder_sections(config: Config, cases: Collection[int] | None = None) -> Iterator[str]:

@@ -24,6 +24,7 @@ from benchmarks import (
     peaks,
     ranks,
     run as run_command,
+    sharded,
     suite,
     zoo,
 )
@@ -32,7 +33,7 @@ import torchmem
 from standins import call_in_fresh_process_without_gpu, hide_gpus
 
 pytestmark = pytest.mark.slow  # the benchmarks themselves, in tiny configurations
-KEPT: tuple[ModuleType, ...] = (run_command, ranks, long, allocations, fixed, zoo)
+KEPT: tuple[ModuleType, ...] = (run_command, ranks, long, allocations, fixed, zoo, sharded)
 """The cases whose ``measure`` results the whole suite's run hands back."""
 
 
@@ -195,6 +196,7 @@ def sections_are_written(whole: Whole) -> None:
         "## 12. Many tiny allocations",
         "## 13. A recording's fixed cost",
         "## 14. Estimator model zoo",
+        "## 15. Each rank of a sharded step, estimated",
     ]
     assert report.count("Skipped: no CUDA device on this machine.") == 3
     assert whole.shown == report  # each section shown as it was measured
@@ -383,6 +385,19 @@ def zoo_estimates_real_architectures_as_measured(rows: list[Any]) -> None:
     assert zoo.table(rows).count("\n") == 2 + 3 - 1
 
 
+def sharded_estimates_are_each_ranks_real_peak(found: list[Any]) -> None:
+    contenders = ["real ranks (torchrun, gloo)", "torchmem.estimate", "FSDPMemTracker"]
+    assert [(f.ranks, f.contender) for f in found] == [(2, name) for name in contenders]
+    real, estimated, tracker = found
+    assert len(real.peaks) == 2 and estimated.peaks == real.peaks
+    assert tracker.peaks is not None and len(tracker.peaks) == 1
+    text = sharded.table(found).splitlines()
+    assert text[3].startswith(
+        f"| 2 | torchmem.estimate | {real.peaks[0]:,} B | +0 B (+0.00%) | yes |"
+    )
+    assert sharded.verdicts(found) == "- 2 ranks: every rank's peak exact (met)"
+
+
 CHECKS: dict[ModuleType, Callable[[Any], None]] = {
     run_command: run_tabulates,
     ranks: torchrun_tabulates,
@@ -390,5 +405,6 @@ CHECKS: dict[ModuleType, Callable[[Any], None]] = {
     allocations: tiny_allocations_tabulate,
     fixed: fixed_cost_tabulates,
     zoo: zoo_estimates_real_architectures_as_measured,
+    sharded: sharded_estimates_are_each_ranks_real_peak,
 }
 """What each of :data:`KEPT`'s results must be."""

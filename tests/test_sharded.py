@@ -120,6 +120,8 @@ def test_fsdp2s_all_gathered_parameters_count_as_communication_while_they_live()
     # the all-gather output FSDP keeps until its next all-gather (weight and bias, flat)
     assert ("1.weight (all-gathered)", 256 * 256 * 4, (256, 256)) in gathered
     assert ("FSDP2 collectives of 1", 257 * 256 * 4, (257 * 256,)) in gathered
+    # and its whole gradient, before FSDP2 reduce-scatters it into the shard's
+    assert ("1.weight.grad (unsharded)", 256 * 256 * 4, (256, 256)) in gathered
     assert cpu.categories_at_end["communication"] == 0  # resharded, the buffers freed
     assert cpu.categories_at_end["parameters"] == 3 * (64 * 256 + 64) * 4
     dropped = [weakref.ref(layer) for layer in model]  # each with its parameter group

@@ -43,28 +43,41 @@ def managed_modules(group: Any) -> list[torch.nn.Module]:
     return found
 
 
-def buffers(group: Any) -> list[tuple[torch.Tensor, tuple[torch.nn.Module, str] | None]]:
-    """The buffers of `group`'s collectives that hold memory now, each with the module and
-    attribute of the parameter it is (None for one the group's parameters share): the
-    unsharded parameters and their all-gather outputs, the all-gather output not yet
+Owner = tuple[torch.nn.Module, str, str]
+"""The module and attribute of the parameter a buffer is of, and what the buffer is:
+``"gathered"`` (the parameter all-gathered whole) or ``"unsharded-grad"`` (its whole
+gradient, before the reduce-scatter)."""
+
+
+def buffers(group: Any) -> list[tuple[torch.Tensor, Owner | None]]:
+    """The buffers of `group`'s collectives that hold memory now, each with its
+    :data:`Owner` (None for one the group's parameters share): the unsharded parameters,
+    their all-gather outputs and their whole gradients, the all-gather output not yet
     copied out, and the reduce-scatter and all-reduce inputs FSDP keeps until the next
     collective. None (a group that died) has none."""
-    found: list[tuple[Any, tuple[torch.nn.Module, str] | None]] = []
+    found: list[tuple[Any, Owner | None]] = []
     for param in getattr(group, "fsdp_params", ()):
         info = getattr(param, "_module_info", None)
-        owner = None if info is None else (info.module, info.param_name)
-        for tensor in (
-            getattr(param, "_unsharded_param", None),
+        unsharded = getattr(param, "_unsharded_param", None)
+        gathered = (
+            unsharded,
             *getattr(param, "all_gather_outputs", ()),
             *getattr(param, "_unsharded_inner_tensors", ()),
-        ):
-            found.append((tensor, owner))
+        )
+        grads = (
+            getattr(unsharded, "grad", None),
+            getattr(param, "unsharded_accumulated_grad", None),
+        )
+        for kind, tensors in (("gathered", gathered), ("unsharded-grad", grads)):
+            for tensor in tensors:
+                owner = None if info is None else (info.module, info.param_name, kind)
+                found.append((tensor, owner))
     context = getattr(group, "comm_ctx", None)
     states = getattr(context, "reduce_scatter_states", None) or ()
     shared = [getattr(state, "reduce_scatter_input", None) for state in states]
-    gathered = getattr(context, "all_gather_state", None)
+    state = getattr(context, "all_gather_state", None)
     pending = getattr(group, "_all_gather_result", None)
-    for result in (getattr(gathered, "all_gather_result", None), pending):
+    for result in (getattr(state, "all_gather_result", None), pending):
         shared.append(getattr(result, "all_gather_output", None))
     shared.append(getattr(getattr(group, "_all_reduce_state", None), "all_reduce_input", None))
     found += [(tensor, None) for tensor in shared]

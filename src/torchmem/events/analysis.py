@@ -240,6 +240,8 @@ class Names:
             return f"{name[1]}.{self.params.get(name[2], 'Parameter')}.{name[3]}"
         if kind == "gathered":
             return _join(self.modules.get(name[1], ""), name[2]) + " (all-gathered)"
+        if kind == "unsharded-grad":
+            return _join(self.modules.get(name[1], ""), name[2]) + ".grad (unsharded)"
         if kind == "collectives":
             return f"FSDP2 collectives of {self.modules.get(name[1]) or 'the model'}"
         if kind == "saved":

@@ -245,7 +245,7 @@ class Watcher:
     def _mark_collectives(self, key: int) -> None:
         """Mark the buffers of the collectives of the FSDP2 module of id `key`."""
         for buffer, owner in fsdp.buffers(self._fsdp[key]()):
-            name = ("collectives", key) if owner is None else ("gathered", id(owner[0]), owner[1])
+            name = ("collectives", key) if owner is None else (owner[2], id(owner[0]), owner[1])
             self.mark(buffer, COMMUNICATION, name)
 
     def _probe(self, kind: int, number: int, module: int, ref: int) -> None:

@@ -114,3 +114,10 @@ def fake_process_group(rank: int, world_size: int) -> Iterator[None]:
         yield
     finally:
         torch.distributed.destroy_process_group()
+
+
+def wait_tensor() -> Any | None:
+    """The functional collectives' ``wait_tensor`` operator (it returns its input, done
+    with); None where this PyTorch has no functional collectives."""
+    namespace = getattr(torch.ops, "_c10d_functional", None)
+    return getattr(getattr(namespace, "wait_tensor", None), "default", None)

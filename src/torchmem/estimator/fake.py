@@ -33,19 +33,11 @@ import torch
 
 from torchmem._compat import DispatchMode, getframe, in_backward, storage_key, wraps_tensors
 from torchmem._compat.fake import data_dependent_operator, fake_mode, no_dispatch_modes
+from torchmem._compat.fsdp import wait_tensor
 from torchmem.errors import EstimateError
+from torchmem.estimator import patches
 from torchmem.estimator.kernels import Kernels
 from torchmem.estimator.loaders import loaders_in_process
-from torchmem.estimator.patches import (
-    compiles_seen,
-    cuda_autocast_on_cpu,
-    ddp_refused,
-    foreach_optimizers,
-    global_shapes_unlogged,
-    rng_states_counted,
-    storage_resizes_counted,
-    swaps_forgetting,
-)
 from torchmem.estimator.placement import OnFakeCpu, any_on, mark, real_tensor
 from torchmem.estimator.values import Values, user_line, values_read
 from torchmem.events.hooks import Watcher
@@ -70,6 +62,7 @@ LT_MATMULS = frozenset((aten.addmm, aten._addmm_activation))
 """Operators PyTorch runs in cuBLASLt on a GPU (a bias fused in), whose own workspace is
 allocated at the first one, after cuBLAS's."""
 _SCALAR = aten._local_scalar_dense.default
+_WAIT = wait_tensor()  # returns its input; its fake kernel, a new tensor
 CPU_OUTPUTS = {
     aten._scaled_dot_product_efficient_attention.default: frozenset((2, 3)),
     aten._scaled_dot_product_flash_attention.default: frozenset((6, 7)),
@@ -275,6 +268,8 @@ class _Operators(DispatchMode):
         if types and wraps_tensors(types):
             self.wrapped()
             return NotImplemented  # seen again as the operators on its inner tensors
+        if func is _WAIT:
+            return args[0]
         meter = self.meter
         kwargs = kwargs or {}
         real = real_tensor(func, (*args, *kwargs.values()))
@@ -432,13 +427,13 @@ def run_fake(
     watcher.use(notes=Notes())
     compiled: list[bool] = []
     with contextlib.ExitStack() as stack:
-        stack.enter_context(compiles_seen(compiled))
+        stack.enter_context(patches.compiles_seen(compiled))
         in_process = stack.enter_context(loaders_in_process())
         if cuda:
-            stack.enter_context(cuda_autocast_on_cpu())
-            stack.enter_context(foreach_optimizers())
+            stack.enter_context(patches.cuda_autocast_on_cpu())
+            stack.enter_context(patches.foreach_optimizers())
         mode = fake_mode()
-        stack.enter_context(swaps_forgetting(mode))
+        stack.enter_context(patches.swaps_forgetting(mode))
         stack.enter_context(OnFakeCpu(meter if cuda else None))
         stack.enter_context(mode)
         args, kwargs, base = _faked(mode, meter, args, kwargs)
@@ -451,10 +446,10 @@ def run_fake(
         stack.enter_context(values_read(operators.values))
         stack.enter_context(_quiet_refusals())
         stack.enter_context(torch.random.fork_rng(devices=[]))
-        stack.enter_context(rng_states_counted())  # after fork_rng's own
-        stack.enter_context(storage_resizes_counted(meter))
-        stack.enter_context(ddp_refused())
-        operators.wrapped = stack.enter_context(global_shapes_unlogged(meter))
+        stack.enter_context(patches.rng_states_counted())  # after fork_rng's own
+        stack.enter_context(patches.storage_resizes_counted(meter))
+        stack.enter_context(patches.ddp_refused())
+        operators.wrapped = stack.enter_context(patches.global_shapes_unlogged(meter))
         watcher.start()
         try:
             fn(*args, **kwargs)

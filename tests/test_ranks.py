@@ -87,12 +87,18 @@ def test_a_report_that_is_not_one_is_refused_by_name() -> None:
         RunRecord.from_json({"devices": {}})
 
 
-def test_the_ranks_peaks_and_the_category_that_differs_most() -> None:
-    reports = [
+def three_ranks() -> list[RunRecord]:
+    """Three ranks' reports: the same parameters; rank 1 holds 16 MiB of other, rank 2
+    three times the activations."""
+    return [
         record(8 * MiB, parameters=4 * MiB, activations=4 * MiB),
         record(24 * MiB, parameters=4 * MiB, activations=4 * MiB, other=16 * MiB),
         record(16 * MiB, parameters=4 * MiB, activations=12 * MiB),
     ]
+
+
+def test_the_ranks_peaks_and_the_category_that_differs_most() -> None:
+    reports = three_ranks()
     ranks = assemble([payload(r, report) for r, report in enumerate(reports)], range(3))
     found = ranks.imbalance
     assert found is not None
@@ -107,11 +113,7 @@ def test_the_ranks_peaks_and_the_category_that_differs_most() -> None:
 
 
 def test_each_ranks_categories_say_which_rank_held_the_most_of_each() -> None:
-    reports = [
-        record(8 * MiB, parameters=4 * MiB, activations=4 * MiB),
-        record(24 * MiB, parameters=4 * MiB, activations=4 * MiB, other=16 * MiB),
-        record(16 * MiB, parameters=4 * MiB, activations=12 * MiB),
-    ]
+    reports = three_ranks()
     ranks = assemble([payload(r, report) for r, report in enumerate(reports)], range(3))
     lines = str(ranks).splitlines()
     at = lines.index("Each rank at its peak, by category:")

@@ -166,7 +166,7 @@ def estimate(
     """
     target = _target(device)
     if checked_world_size(world_size) > 1:
-        return each_rank(lambda: estimate(fn, *args, device=device, **kwargs), world_size, target)
+        return each_rank(lambda: estimate(fn, *args, device=device, **kwargs), world_size)
     cuda = target == "cuda"
     workspace = _workspace_bytes() if cuda else 0  # its setting read first
     _check_arguments((*args, *kwargs.values()))

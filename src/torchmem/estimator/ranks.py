@@ -34,19 +34,10 @@ def checked_world_size(world_size: object) -> int:
     return world_size
 
 
-def each_rank(
-    one: Callable[[], Estimate], world_size: int, target: str, ranks: Sequence[int] = ()
-) -> Estimate:
+def each_rank(one: Callable[[], Estimate], world_size: int, ranks: Sequence[int] = ()) -> Estimate:
     """`one()` run as each rank of `world_size` (only the `ranks` given, if any); the
     estimate of the rank with the highest peak (the lowest such rank), with every rank's
-    in its ``ranks``. CPU ranks only (a `target` of ``"cpu"``) for now."""
-    if target != "cpu":
-        raise EstimateError(
-            "estimates of ranks are of CPU tensors for now: pass device='cpu' (their bytes"
-            " are what a GPU rank allocates, before the caching allocator rounds them). On"
-            " a machine without a GPU, FSDP2 and DTensor put each shard on the CPU, where"
-            " a GPU estimate sees none of it"
-        )
+    in its ``ranks``. CPU estimates only, for now."""
     if not torch.distributed.is_available():
         raise EstimateError("estimates of ranks need torch.distributed, which this PyTorch lacks")
     if torch.distributed.is_initialized():
@@ -58,7 +49,15 @@ def each_rank(
     found = []
     for rank in ranks or range(world_size):
         with _as_rank(rank, world_size):
-            found.append(dataclasses.replace(one(), rank=rank, world_size=world_size))
+            estimate = one()
+        if estimate.device != "cpu":
+            raise EstimateError(
+                "estimates of ranks are of CPU tensors for now: pass device='cpu' (their"
+                " bytes are what a GPU rank allocates, before the caching allocator rounds"
+                " them). On a machine without a GPU, FSDP2 and DTensor put each shard on"
+                " the CPU, where a GPU estimate sees none of it"
+            )
+        found.append(dataclasses.replace(estimate, rank=rank, world_size=world_size))
     seconds = sum(e.seconds for e in found)
     highest = max(found, key=lambda e: (e.peak_bytes, -e.rank))
     return dataclasses.replace(highest, ranks=tuple(found), seconds=seconds)

@@ -39,8 +39,8 @@ def min_world_size(
 
     world_size, before = 1, None
     while world_size <= MAX_WORLD_SIZE:
-        peak = each_rank(one, world_size, device, ranks=(0,)).needed_bytes
-        if peak <= limit and (world_size == 1 or each_rank(one, world_size, device).fits(limit)):
+        peak = each_rank(one, world_size, ranks=(0,)).needed_bytes
+        if peak <= limit and (world_size == 1 or each_rank(one, world_size).fits(limit)):
             return world_size
         if before is not None and 2 * peak - before >= limit:
             return None  # the floor that no number of ranks divides is above the capacity
